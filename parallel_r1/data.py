@@ -1,0 +1,131 @@
+"""Dataset sources: an offline mirror directory first, else the Hugging Face Hub.
+
+Every source is normalised to one record shape so later stages never care where a
+row came from:
+
+    problem: id, question, ground_truth, answer_kind ("gsm8k" | "math"), dataset
+
+`answer_kind` picks the answer checker (numeric for GSM8K, Minerva-normalised for
+DAPO and the competition sets). The mirror layout is that of `../shared/data`
+(see its README); the Hub ids are the public datasets it mirrors.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from parallel_r1.errors import PipelineError
+from parallel_r1.io import read_jsonl
+
+MIRROR_ENV = "PARALLEL_R1_DATA"
+
+
+def _gsm8k_truth(row: dict) -> str:
+    """GSM8K stores the answer after `####` in the solution text."""
+    if row.get("ground_truth"):
+        return str(row["ground_truth"])
+    return str(row.get("answer", "")).split("####")[-1].strip().replace(",", "")
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where one dataset lives: a mirror file and the Hub dataset it copies."""
+
+    mirror_file: str
+    hub_id: str | None
+    hub_config: str | None
+    hub_split: str
+    answer_kind: str
+    question_field: str = "question"
+    truth: Callable[[dict], str] = lambda row: str(row.get("ground_truth", row.get("answer", "")))
+
+
+SOURCES: dict[str, Source] = {
+    "gsm8k_train": Source("gsm8k/train.jsonl", "openai/gsm8k", "main", "train", "gsm8k", truth=_gsm8k_truth),
+    "gsm8k_test": Source("gsm8k/test.jsonl", "openai/gsm8k", "main", "test", "gsm8k", truth=_gsm8k_truth),
+    "dapo": Source("dapo_math_17k.jsonl", "Leo-Dai/dapo-math-17k_dedup", None, "train", "math", "problem"),
+    "aime24": Source("eval/aime24.jsonl", "HuggingFaceH4/aime_2024", None, "train", "math", "problem"),
+    "aime25": Source("eval/aime25.jsonl", "math-ai/aime25", None, "test", "math", "problem"),
+    "amc23": Source("eval/amc23.jsonl", "math-ai/amc23", None, "test", "math", "question"),
+    "math": Source("eval/math300.jsonl", None, None, "test", "math", "problem"),
+    "math500": Source("eval/math500.jsonl", "HuggingFaceH4/MATH-500", None, "test", "math", "problem"),
+}
+TEACHER_DEMOS = Source("teacher_demos_gsm8k.jsonl", "Parallel-R1/Parallel-GSM8K", None, "train", "gsm8k")
+
+
+def mirror_dir(configured: str | os.PathLike | None) -> Path | None:
+    """The mirror folder: env PARALLEL_R1_DATA if set, else the param; None = use the Hub."""
+    chosen = os.environ.get(MIRROR_ENV) or configured
+    return Path(chosen) if chosen else None
+
+
+def _load_raw(name: str, source: Source, mirror: Path | None) -> list[dict]:
+    """Raw rows from the mirror file, else the Hub; one error naming both when neither works."""
+    looked = []
+    if mirror is not None:
+        path = mirror / source.mirror_file
+        if path.is_file():
+            return read_jsonl(path)
+        looked.append(f"mirror {path} (missing)")
+    else:
+        looked.append(f"mirror (none configured: params.yaml data.mirror_dir or ${MIRROR_ENV})")
+    if source.hub_id is None:
+        looked.append("Hub (no public Hub copy of this set)")
+    else:
+        try:
+            import datasets
+
+            rows = datasets.load_dataset(source.hub_id, source.hub_config, split=source.hub_split)
+            return [dict(row) for row in rows]
+        except Exception as err:  # offline, missing, renamed: all mean "not available here"
+            reason = str(err).splitlines()[0][:120] if str(err) else type(err).__name__
+            looked.append(f"Hub {source.hub_id} ({reason})")
+    raise PipelineError(f"dataset {name}: not available — looked in " + "; ".join(looked))
+
+
+def load_problems(name: str, mirror: str | os.PathLike | None, limit: int | None = None) -> list[dict]:
+    """Problems of dataset `name` in the common record shape, the first `limit` rows if given."""
+    if name not in SOURCES:
+        raise PipelineError(f"dataset {name!r} is unknown (choose from {', '.join(SOURCES)})")
+    if limit is not None and limit < 0:
+        raise PipelineError(f"dataset {name}: limit must be >= 0, got {limit}")
+    source = SOURCES[name]
+    rows = _load_raw(name, source, mirror_dir(mirror))
+    problems = []
+    for index, row in enumerate(rows[:limit] if limit is not None else rows):
+        question = row.get(source.question_field) or row.get("question") or row.get("problem")
+        truth = source.truth(row)
+        if not question or not truth:
+            field = source.question_field if not question else "ground_truth"
+            raise PipelineError(f"dataset {name} row {index} (id {row.get('id', index)}): missing field {field}")
+        problems.append({
+            "id": str(row.get("id", f"{name}-{index}")),
+            "question": str(question),
+            "ground_truth": truth,
+            "answer_kind": source.answer_kind,
+            "dataset": name,
+        })
+    return problems
+
+
+def load_teacher_demos(mirror: str | os.PathLike | None, limit: int | None = None) -> list[dict]:
+    """The authors' released zero-shot teacher generations for GSM8K train (300 in the mirror)."""
+    rows = _load_raw("teacher_demos_gsm8k", TEACHER_DEMOS, mirror_dir(mirror))
+    demos = []
+    for index, row in enumerate(rows[:limit] if limit is not None else rows):
+        missing = [f for f in ("question", "completion", "ground_truth") if not row.get(f)]
+        if missing:
+            raise PipelineError(f"teacher_demos_gsm8k row {index} (id {row.get('id', index)}): missing field {missing[0]}")
+        demos.append({
+            "id": str(row.get("id", f"teacher-{index}")),
+            "question": row["question"],
+            "ground_truth": str(row["ground_truth"]),
+            "answer_kind": "gsm8k",
+            "dataset": "gsm8k_train",
+            "prompt": row.get("prompt") or "",
+            "completion": row["completion"],
+        })
+    return demos

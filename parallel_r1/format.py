@@ -1,0 +1,201 @@
+"""The parallel-thinking format: tags, Algorithm 1, block parsing and parallel metrics.
+
+A response alternates ordinary reasoning with blocks of the form
+
+    <Parallel><Path>...</Path><Path>...</Path></Parallel><Summary>...</Summary>
+
+`check_format` is the paper's Algorithm 1 ("Parallel Thinking Format Check"): a stack
+over the tags that rejects mismatched, wrongly nested or unclosed tags, a block with
+fewer than two completed paths, and a block without its summary. It says nothing about
+mathematical correctness. A response must hold at least one block to count as
+parallel-format (otherwise DAPO's 0.0% of Table 1 would be ~100%: the teacher simply
+writes no blocks there).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+PARALLEL_OPEN, PARALLEL_CLOSE = "<Parallel>", "</Parallel>"
+PATH_OPEN, PATH_CLOSE = "<Path>", "</Path>"
+SUMMARY_OPEN, SUMMARY_CLOSE = "<Summary>", "</Summary>"
+TAGS = (PARALLEL_OPEN, PARALLEL_CLOSE, PATH_OPEN, PATH_CLOSE, SUMMARY_OPEN, SUMMARY_CLOSE)
+TAG_PATTERN = re.compile(r"</?(?:Parallel|Path|Summary)>")
+_CLOSES = {PARALLEL_CLOSE: PARALLEL_OPEN, PATH_CLOSE: PATH_OPEN, SUMMARY_CLOSE: SUMMARY_OPEN}
+
+# Rejection reasons, counted by the filter stage.
+UNEXPECTED_CLOSE = "unexpected_closing_tag"
+WRONG_NESTING = "wrong_nesting"
+TOO_FEW_PATHS = "too_few_paths"
+SUMMARY_WITHOUT_BLOCK = "summary_without_block"
+BLOCK_WITHOUT_SUMMARY = "block_without_summary"
+UNCLOSED_TAG = "unclosed_tag"
+NO_PARALLEL_BLOCK = "no_parallel_block"
+REJECTION_REASONS = (
+    UNEXPECTED_CLOSE, WRONG_NESTING, TOO_FEW_PATHS, SUMMARY_WITHOUT_BLOCK,
+    BLOCK_WITHOUT_SUMMARY, UNCLOSED_TAG, NO_PARALLEL_BLOCK,
+)
+
+
+@dataclass(frozen=True)
+class FormatResult:
+    """Outcome of Algorithm 1: `ok`, else the first rule broken and where (character offset)."""
+
+    ok: bool
+    reason: str | None = None
+    detail: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def _reject(reason: str, tag: str, pos: int) -> FormatResult:
+    return FormatResult(False, reason, f"{tag} at character {pos}")
+
+
+def check_format(text: str, require_block: bool = True) -> FormatResult:
+    """Algorithm 1: stack-based check of the parallel tags in `text`.
+
+    Rules, in the order they are met while scanning the tags left to right:
+    a closing tag must match the top of the stack; `<Path>` may only open directly
+    inside `<Parallel>`, `<Parallel>` and `<Summary>` only at top level, and nothing
+    opens inside a `<Path>` or `<Summary>`; `</Parallel>` needs >= 2 completed paths;
+    each `</Parallel>` must be followed by a `<Summary>` before the next block
+    (#<Summary> = #</Parallel>); nothing may be left open.
+    """
+    stack: list[str] = []
+    paths_in_block = 0
+    blocks = 0
+    summary_expected = False
+    for match in TAG_PATTERN.finditer(text):
+        tag, pos = match.group(), match.start()
+        if tag in _CLOSES:
+            if not stack or stack[-1] != _CLOSES[tag]:
+                return _reject(UNEXPECTED_CLOSE, tag, pos)
+            stack.pop()
+            if tag == PATH_CLOSE:
+                paths_in_block += 1
+            elif tag == PARALLEL_CLOSE:
+                if paths_in_block < 2:
+                    return _reject(TOO_FEW_PATHS, tag, pos)
+                blocks += 1
+                summary_expected = True
+            continue
+        parent = stack[-1] if stack else None
+        if tag == PATH_OPEN and parent != PARALLEL_OPEN:
+            return _reject(WRONG_NESTING, tag, pos)
+        if tag in (PARALLEL_OPEN, SUMMARY_OPEN) and parent is not None:
+            return _reject(WRONG_NESTING, tag, pos)
+        if tag == PARALLEL_OPEN:
+            if summary_expected:
+                return _reject(BLOCK_WITHOUT_SUMMARY, tag, pos)
+            paths_in_block = 0
+        if tag == SUMMARY_OPEN:
+            if not summary_expected:
+                return _reject(SUMMARY_WITHOUT_BLOCK, tag, pos)
+            summary_expected = False
+        stack.append(tag)
+    if stack:
+        return FormatResult(False, UNCLOSED_TAG, f"{stack[-1]} never closed")
+    if summary_expected:
+        return FormatResult(False, BLOCK_WITHOUT_SUMMARY, "last </Parallel> has no <Summary>")
+    if require_block and blocks == 0:
+        return FormatResult(False, NO_PARALLEL_BLOCK, "no <Parallel> block")
+    return FormatResult(True)
+
+
+@dataclass(frozen=True)
+class Span:
+    """Half-open character span [start, end) of a tagged region, tags included."""
+
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class ParallelBlock:
+    """One well-formed block: the `<Parallel>...</Parallel>` span, its paths and its summary."""
+
+    parallel: Span
+    paths: tuple[Span, ...]
+    summary: Span | None = None
+
+
+def parse_blocks(text: str) -> list[ParallelBlock]:
+    """Blocks of `text` in order, for text that passes Algorithm 1 (else an empty list).
+
+    Spans index characters of `text`; each path and summary span includes its tags.
+    """
+    if not check_format(text, require_block=False):
+        return []
+    blocks: list[ParallelBlock] = []
+    block_start = path_start = summary_start = 0
+    paths: list[Span] = []
+    for match in TAG_PATTERN.finditer(text):
+        tag, start, end = match.group(), match.start(), match.end()
+        if tag == PARALLEL_OPEN:
+            block_start, paths = start, []
+        elif tag == PATH_OPEN:
+            path_start = start
+        elif tag == PATH_CLOSE:
+            paths.append(Span(path_start, end))
+        elif tag == PARALLEL_CLOSE:
+            blocks.append(ParallelBlock(Span(block_start, end), tuple(paths)))
+        elif tag == SUMMARY_OPEN:
+            summary_start = start
+        elif tag == SUMMARY_CLOSE:
+            last = blocks[-1]
+            blocks[-1] = ParallelBlock(last.parallel, last.paths, Span(summary_start, end))
+    return blocks
+
+
+def is_parallel(text: str) -> bool:
+    """True when the response holds at least one well-formed block and passes Algorithm 1."""
+    return check_format(text).ok
+
+
+def parallel_ratio(texts: list[str]) -> float:
+    """Share of responses with at least one well-formed parallel block (0.0 for no responses)."""
+    return sum(is_parallel(t) for t in texts) / len(texts) if texts else 0.0
+
+
+def parallel_position(text: str, tokenizer=None) -> float | None:
+    """Relative position of the first `<Parallel>`: start index / response length.
+
+    Character-level by default; token-level when a tokenizer is given (the paper's
+    Figure 3 uses tokens). None when the response has no `<Parallel>`.
+    """
+    start = text.find(PARALLEL_OPEN)
+    if start < 0 or not text:
+        return None
+    if tokenizer is None:
+        return start / len(text)
+    before = len(tokenizer(text[:start], add_special_tokens=False)["input_ids"])
+    total = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return before / total if total else None
+
+
+def count_blocks(text: str) -> int:
+    """Number of well-formed blocks (0 when the text fails Algorithm 1)."""
+    return len(parse_blocks(text))
+
+
+@dataclass
+class FormatStats:
+    """Counts of format outcomes over a dataset, for the filter metrics and Table 1."""
+
+    examples: int = 0
+    valid: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)
+
+    def add(self, result: FormatResult) -> None:
+        self.examples += 1
+        if result.ok:
+            self.valid += 1
+        else:
+            self.reasons[result.reason] = self.reasons.get(result.reason, 0) + 1
+
+    @property
+    def valid_pct(self) -> float:
+        return 100.0 * self.valid / self.examples if self.examples else 0.0

@@ -1,0 +1,92 @@
+"""JSON / JSONL reading and atomic writing.
+
+Writes go to a temporary file beside the target and are renamed at the end, so a
+killed stage never leaves a half-written output for DVC to cache. Reads fail with
+one line naming the file and the line that is wrong.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from parallel_r1.errors import PipelineError
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, is_dir: bool = False) -> Iterator[Path]:
+    """Yield a temporary sibling of `path`; on success it replaces `path` (file or folder)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if is_dir:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    else:
+        fd, name = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+        os.close(fd)
+        tmp = Path(name)
+    try:
+        yield tmp
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif tmp.exists():
+            tmp.unlink()
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def write_jsonl(path: str | os.PathLike, rows: Iterable[dict]) -> int:
+    """Write rows atomically; returns how many were written."""
+    count = 0
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+            count += 1
+    return count
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    path = Path(path)
+    if not path.is_file():
+        raise PipelineError(f"{path}: file not found")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise PipelineError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+
+
+def read_jsonl(path: str | os.PathLike, required: Iterable[str] = (), allow_empty: bool = False) -> list[dict]:
+    """Rows of a JSONL file; every row must be an object holding the `required` fields."""
+    path = Path(path)
+    if not path.is_file():
+        raise PipelineError(f"{path}: file not found")
+    required = tuple(required)
+    rows = []
+    with open(path, encoding="utf-8") as handle:
+        for lineno, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise PipelineError(f"{path}:{lineno}: not valid JSON ({err.msg}); truncated file?") from None
+            if not isinstance(row, dict):
+                raise PipelineError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            missing = [name for name in required if row.get(name) in (None, "")]
+            if missing:
+                raise PipelineError(f"{path}:{lineno}: missing field(s) {', '.join(missing)}")
+            rows.append(row)
+    if not rows and not allow_empty:
+        raise PipelineError(f"{path}: empty file (no rows)")
+    return rows

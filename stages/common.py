@@ -1,0 +1,71 @@
+"""Plumbing shared by the stage CLIs: params.yaml with its profile, and one-line failures.
+
+params.yaml holds the paper's values at the top level and, under `profiles.<name>`,
+overrides for each profile (the tiny profile only shrinks sizes). `load_params` returns
+the merged view for the chosen profile, so a stage never looks at `profiles` itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from parallel_r1.errors import PipelineError
+
+PARAMS_FILE = Path(os.environ.get("PARALLEL_R1_PARAMS", "params.yaml"))
+
+
+def deep_merge(base: dict, override: dict) -> dict:
+    """`base` with `override` laid over it, recursing into nested mappings."""
+    merged = copy.deepcopy(base)
+    for key, value in (override or {}).items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def load_params(path: str | os.PathLike = PARAMS_FILE, profile: str | None = None) -> dict[str, Any]:
+    """The parameters of the active profile (or of `profile`), profiles merged in."""
+    path = Path(path)
+    if not path.is_file():
+        raise PipelineError(f"{path}: file not found (run from the project root)")
+    raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    profiles = raw.pop("profiles", {}) or {}
+    profile = profile or raw.get("profile")
+    if profile not in profiles:
+        raise PipelineError(f"{path} profile: unknown profile {profile!r} (choose from {', '.join(profiles)})")
+    params = deep_merge(raw, profiles[profile] or {})
+    params["profile"] = profile
+    return params
+
+
+def section(params: dict[str, Any], *keys: str) -> Any:
+    """`params[k1][k2]...`, failing with the dotted name when a key is missing."""
+    node: Any = params
+    for depth, key in enumerate(keys):
+        if not isinstance(node, dict) or key not in node:
+            raise PipelineError(f"params.yaml: missing key {'.'.join(keys[: depth + 1])}")
+        node = node[key]
+    return node
+
+
+def stage_main(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a stage entry point, turning `PipelineError` into one line on stderr and exit 1."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except PipelineError as err:
+            print(f"error: {err}", file=sys.stderr)
+            sys.exit(1)
+
+    return wrapper

@@ -1,0 +1,29 @@
+"""Stage `prepare_model`: the base policy with the six tags, written to models/base.
+
+    dvc repro prepare_model
+    python -m stages.prepare_model
+
+Tiny profile: a seeded random-init Qwen3 around the real Qwen3 tokenizer. Paper profile:
+Qwen/Qwen3-4B-Base (local folder or Hub id) with the tags added and embeddings grown.
+"""
+
+from __future__ import annotations
+
+from parallel_r1.config import from_mapping
+from parallel_r1.models import TinyModelConfig, prepare_base_model
+from stages.common import load_params, section, stage_main
+
+OUT = "models/base"
+
+
+@stage_main
+def main() -> None:
+    params = load_params()
+    model = section(params, "model")
+    tiny = from_mapping(TinyModelConfig, model.get("tiny"), "params.yaml model.tiny")
+    path = prepare_base_model(str(section(model, "base")), OUT, dtype=model.get("dtype", "bfloat16"), tiny=tiny)
+    print(f"prepared {model['base']} -> {path}")
+
+
+if __name__ == "__main__":
+    main()

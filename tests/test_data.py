@@ -1,0 +1,77 @@
+"""Dataset sources: offline mirror, record shape, and one clear error when nothing is available."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from parallel_r1.data import SOURCES, load_problems, load_teacher_demos
+from parallel_r1.errors import PipelineError
+from parallel_r1.io import read_jsonl
+
+EXPECTED_ROWS = {"gsm8k_train": 7473, "gsm8k_test": 1319, "dapo": 17917, "aime24": 30, "aime25": 30,
+                 "amc23": 40, "math": 316, "math500": 500}
+
+
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_every_dataset_loads_offline_in_the_common_shape(name, mirror):
+    problems = load_problems(name, mirror)
+    assert len(problems) == EXPECTED_ROWS[name]
+    assert len({p["id"] for p in problems}) == len(problems)
+    for problem in problems[:50]:
+        assert set(problem) == {"id", "question", "ground_truth", "answer_kind", "dataset"}
+        assert problem["question"].strip() and problem["ground_truth"].strip()
+        assert problem["answer_kind"] == ("gsm8k" if name.startswith("gsm8k") else "math")
+
+
+def test_gsm8k_ground_truth_is_the_number_after_hashes(mirror):
+    first = load_problems("gsm8k_train", mirror, limit=1)[0]
+    assert first["ground_truth"] == "72"
+
+
+def test_limit_takes_the_first_rows(mirror):
+    assert [p["id"] for p in load_problems("aime24", mirror, limit=3)] == ["aime24-0", "aime24-1", "aime24-2"]
+    with pytest.raises(PipelineError, match="limit must be >= 0"):
+        load_problems("aime24", mirror, limit=-1)
+
+
+def test_teacher_demos_keep_prompt_and_completion(mirror):
+    demos = load_teacher_demos(mirror)
+    assert len(demos) == 300
+    assert all(d["completion"] and d["prompt"] for d in demos)
+
+
+def test_missing_everywhere_names_dataset_and_both_places(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("PARALLEL_R1_DATA", raising=False)
+    with pytest.raises(PipelineError) as err:
+        load_problems("gsm8k_test", tmp_path)
+    message = str(err.value)
+    assert "\n" not in message
+    assert "dataset gsm8k_test" in message and str(tmp_path / "gsm8k/test.jsonl") in message
+    assert "Hub openai/gsm8k" in message
+
+
+def test_env_var_overrides_the_configured_mirror(tmp_path, monkeypatch, mirror):
+    monkeypatch.setenv("PARALLEL_R1_DATA", str(mirror))
+    assert len(load_problems("aime25", tmp_path / "nowhere")) == 30
+
+
+def test_unknown_dataset_and_missing_fields(tmp_path, monkeypatch):
+    with pytest.raises(PipelineError, match="unknown"):
+        load_problems("nope", tmp_path)
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "aime24.jsonl").write_text(json.dumps({"id": "x", "problem": "q"}) + "\n")
+    with pytest.raises(PipelineError, match="aime24 row 0 .*ground_truth"):
+        load_problems("aime24", tmp_path)
+
+
+def test_truncated_and_empty_files_fail_with_the_line(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"id": 1}\n{"id": 2, "question": "trunc')
+    with pytest.raises(PipelineError, match=r"rows.jsonl:2: not valid JSON"):
+        read_jsonl(path)
+    path.write_text("")
+    with pytest.raises(PipelineError, match="empty file"):
+        read_jsonl(path)

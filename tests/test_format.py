@@ -1,0 +1,138 @@
+"""Algorithm 1 (the parallel-thinking format check), block parsing and parallel metrics."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from parallel_r1 import format as fmt
+from parallel_r1.format import check_format, count_blocks, parallel_position, parallel_ratio, parse_blocks
+
+BLOCK = "<Parallel><Path>a</Path><Path>b</Path></Parallel><Summary>s</Summary>"
+
+
+@pytest.mark.parametrize("text", [
+    "x " + BLOCK + " y\nFinal Answer: 3",
+    BLOCK + BLOCK,
+    "<Parallel>\n<Path>a</Path>\n<Path>b</Path>\n<Path>c</Path>\n</Parallel>\n<Summary>s</Summary>",
+    "<Parallel><Path></Path><Path></Path></Parallel>  <Summary></Summary>",
+])
+def test_well_formed_responses_pass(text):
+    assert check_format(text).ok
+
+
+@pytest.mark.parametrize("text, reason", [
+    ("<Parallel><Path>a</Path><Path>b</Path></Summary>", fmt.UNEXPECTED_CLOSE),
+    ("<Parallel><Path>a</Parallel>", fmt.UNEXPECTED_CLOSE),
+    ("</Path>" + BLOCK, fmt.UNEXPECTED_CLOSE),
+    ("<Path>a</Path>" + BLOCK, fmt.WRONG_NESTING),
+    ("<Parallel><Path>a<Parallel></Parallel></Path></Parallel>", fmt.WRONG_NESTING),
+    ("<Parallel><Path>a</Path><Summary>s</Summary></Parallel>", fmt.WRONG_NESTING),
+    ("<Parallel><Path>a<Path>b</Path></Path></Parallel>", fmt.WRONG_NESTING),
+    ("<Parallel><Path>a</Path></Parallel><Summary>s</Summary>", fmt.TOO_FEW_PATHS),
+    ("<Parallel></Parallel><Summary>s</Summary>", fmt.TOO_FEW_PATHS),
+    ("<Summary>s</Summary>", fmt.SUMMARY_WITHOUT_BLOCK),
+    (BLOCK + "<Summary>again</Summary>", fmt.SUMMARY_WITHOUT_BLOCK),
+    ("<Parallel><Path>a</Path><Path>b</Path></Parallel> no summary", fmt.BLOCK_WITHOUT_SUMMARY),
+    ("<Parallel><Path>a</Path><Path>b</Path></Parallel>" + BLOCK, fmt.BLOCK_WITHOUT_SUMMARY),
+    ("<Parallel><Path>a</Path><Path>b", fmt.UNCLOSED_TAG),
+    (BLOCK + "<Parallel><Path>a</Path>", fmt.UNCLOSED_TAG),
+    ("plain reasoning\nFinal Answer: 4", fmt.NO_PARALLEL_BLOCK),
+    ("", fmt.NO_PARALLEL_BLOCK),
+])
+def test_each_rejection_rule(text, reason):
+    result = check_format(text)
+    assert not result.ok
+    assert result.reason == reason
+
+
+def test_no_block_is_valid_when_blocks_are_not_required():
+    assert check_format("plain text", require_block=False).ok
+
+
+def test_rejection_detail_says_where():
+    text = "ok <Summary>x</Summary>"
+    assert check_format(text).detail == f"<Summary> at character {text.index('<Summary>')}"
+
+
+def test_real_teacher_outputs(mirror):
+    rows = [json.loads(line) for line in open(mirror / "teacher_demos_gsm8k.jsonl")]
+    results = [check_format(r["completion"]) for r in rows]
+    valid = sum(r.ok for r in results)
+    assert len(rows) == 300
+    # The released cold-start data was already filtered by the authors: nearly all pass, and the
+    # few that fail hold no block at all (they answered without parallel thinking).
+    assert valid >= 290
+    assert {r.reason for r in results if not r.ok} <= {fmt.NO_PARALLEL_BLOCK}
+    assert all(count_blocks(r["completion"]) >= 1 for r, res in zip(rows, results) if res.ok)
+
+
+def test_parse_blocks_spans():
+    text = "pre " + BLOCK + " mid " + BLOCK
+    blocks = parse_blocks(text)
+    assert len(blocks) == 2
+    first = blocks[0]
+    assert text[first.parallel.start:first.parallel.end] == "<Parallel><Path>a</Path><Path>b</Path></Parallel>"
+    assert [text[p.start:p.end] for p in first.paths] == ["<Path>a</Path>", "<Path>b</Path>"]
+    assert text[first.summary.start:first.summary.end] == "<Summary>s</Summary>"
+    assert parse_blocks("<Parallel><Path>a") == []
+
+
+def test_parallel_ratio_and_position():
+    assert parallel_ratio(["x" + BLOCK, "no block", BLOCK, "<Parallel>broken"]) == 0.5
+    assert parallel_ratio([]) == 0.0
+    text = "abcd" + BLOCK
+    assert parallel_position(text) == pytest.approx(4 / len(text))
+    assert parallel_position("no block") is None
+
+
+class _CharTokenizer:
+    """One token per character: token-level position equals character-level position."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": list(range(len(text)))}
+
+
+def test_parallel_position_token_level():
+    text = "abcd" + BLOCK
+    assert parallel_position(text, _CharTokenizer()) == pytest.approx(parallel_position(text))
+
+
+words = st.text(alphabet="abc xyz0123456789\n", max_size=12)
+
+
+@st.composite
+def well_formed_responses(draw):
+    parts = [draw(words)]
+    for _ in range(draw(st.integers(1, 3))):
+        paths = "".join(f"<Path>{draw(words)}</Path>" for _ in range(draw(st.integers(2, 4))))
+        parts.append(f"<Parallel>{draw(words)}{paths}</Parallel>{draw(st.sampled_from(['', ' ', chr(10)]))}"
+                     f"<Summary>{draw(words)}</Summary>{draw(words)}")
+    return "".join(parts)
+
+
+@settings(max_examples=200, deadline=None)
+@given(well_formed_responses())
+def test_generated_well_formed_blocks_pass(text):
+    assert check_format(text).ok
+    assert count_blocks(text) == text.count("<Parallel>")
+
+
+@settings(max_examples=300, deadline=None)
+@given(well_formed_responses(), st.data())
+def test_deleting_any_single_tag_fails(text, data):
+    tags = list(fmt.TAG_PATTERN.finditer(text))
+    victim = data.draw(st.sampled_from(tags))
+    corrupted = text[:victim.start()] + text[victim.end():]
+    assert not check_format(corrupted).ok
+
+
+@settings(max_examples=300, deadline=None)
+@given(well_formed_responses(), st.sampled_from(fmt.TAGS), st.data())
+def test_inserting_any_single_tag_fails(text, tag, data):
+    inside_a_tag = {i for m in fmt.TAG_PATTERN.finditer(text) for i in range(m.start() + 1, m.end())}
+    position = data.draw(st.sampled_from([i for i in range(len(text) + 1) if i not in inside_a_tag]))
+    assert not check_format(text[:position] + tag + text[position:]).ok

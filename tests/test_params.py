@@ -1,0 +1,105 @@
+"""params.yaml: profiles resolve, the paper profile matches the paper, bad params fail clearly."""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+import pytest
+import yaml
+
+from parallel_r1.config import from_mapping
+from parallel_r1.errors import PipelineError
+from parallel_r1.models import TinyModelConfig
+from stages.common import load_params
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def paper():
+    return load_params(REPO / "params.yaml", profile="paper")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return yaml.safe_load(resources.files("parallel_r1").joinpath("paper_results.yaml").read_text())
+
+
+def test_packaged_paper_results_match_the_shared_copy(reference):
+    shared = REPO.parent / "shared" / "paper" / "paper_results.yaml"
+    if not shared.is_file():
+        pytest.skip("no shared paper_results.yaml beside the checkout")
+    assert yaml.safe_load(shared.read_text()) == reference
+
+
+def test_paper_profile_sft_matches_the_paper(paper, reference):
+    expected = reference["hyperparameters"]["sft"]
+    sft = paper["sft"]
+    assert sft["batch_size"] == expected["batch_size"]
+    assert sft["lr"] == expected["lr"]
+    assert sft["weight_decay"] == expected["weight_decay"]
+    assert sft["warmup_ratio"] == expected["warmup_ratio"]
+    assert sft["lr_scheduler"] == expected["schedule"]
+    assert sft["max_steps"] == {"seen": expected["grad_updates_seen"], "unseen": expected["grad_updates_unseen"]}
+    assert sft["max_length"] == 4096
+
+
+def test_paper_profile_rl_matches_the_paper(paper, reference):
+    hyper = reference["hyperparameters"]
+    gsm8k, dapo = paper["rl"]["datasets"]["gsm8k"], paper["rl"]["datasets"]["dapo"]
+    assert (gsm8k["batch_size"], gsm8k["num_generations"], gsm8k["max_steps"]) == (
+        hyper["rl_gsm8k"]["batch_size"], hyper["rl_gsm8k"]["rollouts"], hyper["rl_gsm8k"]["grad_updates"])
+    assert (dapo["batch_size"], dapo["num_generations"], dapo["max_steps"]) == (
+        hyper["rl_dapo"]["batch_size"], hyper["rl_dapo"]["rollouts"], hyper["rl_dapo"]["grad_updates"])
+    assert paper["rl"]["lr"] == hyper["rl_gsm8k"]["lr"] == hyper["rl_dapo"]["lr"]
+    assert paper["rl"]["warmup_ratio"] == 0.0 and paper["rl"]["lr_scheduler"] == "constant"
+    assert paper["rl"]["beta"] == 0.0 and paper["rl"]["epsilon"] == 0.2
+    assert paper["rl_runs"]["parallel_r1_unseen_s2"]["epsilon_high"] == 0.28
+    assert (paper["rl"]["max_completion_tokens"], paper["rl"]["num_paths"], paper["rl"]["max_blocks"]) == (3000, 2, 4)
+
+
+def test_paper_profile_rewards_and_eval_match_the_paper(paper, reference):
+    hyper = reference["hyperparameters"]
+    tiered = hyper["s2_alternating"]["tiered_reward"]
+    rewards = paper["rewards"]
+    assert rewards["window"] == hyper["s2_alternating"]["window_steps"]
+    assert 1 - rewards["tiered_steps"] / rewards["window"] == pytest.approx(hyper["s2_alternating"]["accuracy_share"])
+    assert (rewards["tiered_parallel_reward"], rewards["tiered_correct_reward"], rewards["incorrect_reward"]) == (
+        tiered["correct_with_parallel"], tiered["correct_without_parallel"], tiered["otherwise"])
+    assert rewards["switch_step"] == reference["scaffold"]["switch_step"]
+    evaluate = paper["evaluate"]
+    assert evaluate["temperature"] == hyper["eval"]["temperature"]
+    assert evaluate["benchmarks"]["math"]["k"] == hyper["eval"]["math_samples"]
+    assert {evaluate["benchmarks"][b]["k"] for b in ("aime24", "aime25", "amc23")} == {hyper["eval"]["other_samples"]}
+    assert paper["model"]["base"] == reference["base_model"]
+    assert paper["generate"]["teacher"] == reference["teacher_model"]
+
+
+def test_tiny_profile_only_overrides_existing_keys():
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+
+    def check(override, base, where):
+        for key, value in override.items():
+            assert key in base, f"profiles.tiny{where}.{key} overrides nothing"
+            if isinstance(value, dict) and isinstance(base[key], dict):
+                check(value, base[key], f"{where}.{key}")
+
+    check(raw["profiles"]["tiny"], raw, "")
+    assert load_params(REPO / "params.yaml", profile="tiny")["model"]["base"] == "tiny"
+
+
+def test_unknown_profile_is_one_line(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text("profile: huge\nprofiles: {tiny: {}, paper: {}}\n")
+    with pytest.raises(PipelineError, match=r"profile: unknown profile 'huge' \(choose from tiny, paper\)"):
+        load_params(path)
+
+
+def test_typed_options_reject_bad_values():
+    with pytest.raises(PipelineError, match=r"model.tiny.hidden_size: must be >= 8, got -4"):
+        from_mapping(TinyModelConfig, {"hidden_size": -4}, "params.yaml model.tiny")
+    with pytest.raises(PipelineError, match=r"unknown key 'hiden_size'"):
+        from_mapping(TinyModelConfig, {"hiden_size": 4}, "params.yaml model.tiny")
+    with pytest.raises(PipelineError, match=r"num_hidden_layers: expected int, got 'two'"):
+        from_mapping(TinyModelConfig, {"num_hidden_layers": "two"}, "params.yaml model.tiny")
