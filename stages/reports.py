@@ -1,0 +1,97 @@
+"""Build one of the paper's tables or figures from the metric files, the paper's numbers beside ours.
+
+    dvc repro reports/table2.md            # or any report below, by its output path
+    python -m stages.reports table2        # direct: table1 | table2 | ablation_training |
+                                           # ablation_prompt | ablation_reward | figure3 | figure4
+
+Each report reads only its own inputs, so DVC gives each its own deps:
+
+    table1             metrics/filter/<dataset>.json            -> reports/table1.md
+    table2             metrics/eval/<model>/<benchmark>.json    -> reports/table2.md
+    ablation_training  (same, for the ablation's models)        -> reports/ablation_training.md
+    ablation_prompt    (same)                                   -> reports/ablation_prompt.md
+    ablation_reward    (same)                                   -> reports/ablation_reward.md
+    figure3            metrics/rl/<run>/steps.json              -> reports/figure3_parallel_position.png
+    figure4            metrics/curves/scaffold.json             -> reports/figure4_scaffold.png
+
+Benchmarks are aime25, aime24, amc23 and math. params.yaml keys read: `profile`, and the
+optional section `reports` (defaults in `parallel_r1.reports.ReportOptions`):
+
+    reports:
+      table1_datasets: [gsm8k, dapo]
+      table2_rows: {qwen3_4b_base: base, parallel_sft_seen: sft_seen, ...}   # paper row -> model
+      ablation_training_rows: {parallel_r1_seen: parallel_r1_seen, ...}
+      ablation_prompt_rows: {with_prompt: parallel_r1_seen, without_prompt: parallel_r1_seen_without_prompt}
+      ablation_reward_rows: {accuracy_only: parallel_r1_unseen_s1, parallel_only: parallel_r1_unseen_parallel_only,
+                             alternating: parallel_r1_unseen_s2}
+      figure3_runs: [parallel_r1_seen, parallel_r1_unseen_s1, parallel_r1_unseen_s2]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from parallel_r1 import reports
+from parallel_r1.config import from_mapping
+from parallel_r1.io import read_json
+from stages.common import load_params, stage_main
+
+METRICS = Path("metrics")
+REPORTS = Path("reports")
+OUTPUTS = {
+    "table1": REPORTS / "table1.md",
+    "table2": REPORTS / "table2.md",
+    "ablation_training": REPORTS / "ablation_training.md",
+    "ablation_prompt": REPORTS / "ablation_prompt.md",
+    "ablation_reward": REPORTS / "ablation_reward.md",
+    "figure3": REPORTS / "figure3_parallel_position.png",
+    "figure4": REPORTS / "figure4_scaffold.png",
+}
+ABLATIONS = {
+    "ablation_training": (reports.ablation_training, "ablation_training_rows"),
+    "ablation_prompt": (reports.ablation_prompt, "ablation_prompt_rows"),
+    "ablation_reward": (reports.ablation_reward, "ablation_reward_rows"),
+}
+
+
+def read_eval_metrics(models: list[str]) -> dict[str, dict[str, dict]]:
+    """metrics/eval/<model>/<benchmark>.json for the given models and the four benchmarks."""
+    return {model: {bench: read_json(reports.eval_metrics_path(model, bench, METRICS / "eval"))
+                    for bench in reports.BENCHMARKS}
+            for model in dict.fromkeys(models)}
+
+
+def build(report: str, params: dict) -> Path:
+    """Read the inputs of `report`, build it and write it; returns the output path."""
+    options = from_mapping(reports.ReportOptions, params.get("reports", {}), "params.yaml reports")
+    profile = params["profile"]
+    out = OUTPUTS[report]
+    if report == "table1":
+        filter_metrics = {d: read_json(METRICS / "filter" / f"{d}.json") for d in options.table1_datasets}
+        reports.write_markdown(out, reports.table1(filter_metrics, profile))
+    elif report == "table2":
+        rows = options.table2_rows
+        reports.write_markdown(out, reports.table2(read_eval_metrics(list(rows.values())), rows, profile))
+    elif report in ABLATIONS:
+        build_table, key = ABLATIONS[report]
+        rows = getattr(options, key)
+        reports.write_markdown(out, build_table(read_eval_metrics(list(rows.values())), rows, profile=profile))
+    elif report == "figure3":
+        steps = {run: read_json(METRICS / "rl" / run / "steps.json") for run in options.figure3_runs}
+        reports.figure3_parallel_position(steps, out, profile=profile)
+    else:
+        reports.figure4_scaffold(read_json(METRICS / "curves" / "scaffold.json"), out, profile=profile)
+    return out
+
+
+@stage_main
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m stages.reports", description=__doc__.splitlines()[0])
+    parser.add_argument("report", choices=sorted(OUTPUTS))
+    args = parser.parse_args(argv)
+    print(f"wrote {build(args.report, load_params())}")
+
+
+if __name__ == "__main__":
+    main()
