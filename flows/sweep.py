@@ -1,0 +1,209 @@
+"""Prefect flow `sweep`: RL configurations x reward schedules x seeds as DVC experiments.
+
+    python -m flows.sweep parallel_r1_unseen_s1 --reward-schedules accuracy alternating --seeds 1 2
+    python -m flows.sweep --target prepare_data --grid data.eval.aime24.limit=1,2   # any stage
+
+Each combination is one `dvc exp run --temp --name <name> -S <param>=<value> ... <target>`:
+`--temp` runs it in a temporary clone, so the workspace stays as it is and every experiment is
+kept under its name (`dvc exp show`, `dvc exp apply <name>`). They run one after another as
+Prefect tasks, each with its own MLflow run (parent of its stage runs) — the reason for `--temp`
+over `--queue` + `dvc queue start`: queue workers are long-lived daemons that outlive a sweep
+with their environment frozen, so a per-experiment parent run id cannot reach them.
+The flow ends with a comparison table (Prefect table artifact) and a markdown link to MLflow.
+
+Parameter paths set per combination: `rl_runs.<configuration>.reward`, `seed`, `profile`, and
+each `grid` key; the default target is `rl@<configuration>`.
+Experiments run from the last commit plus the workspace's changes to tracked files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import re
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run
+
+from flows.dvc_runner import DvcCommandError, dvc_json, experiment_metrics, run_dvc
+from flows.reproduce import PARAMS_FILE, retry_only_transient
+from parallel_r1 import tracking
+from parallel_r1.errors import PipelineError
+from parallel_r1.rewards import REWARDS
+from stages.common import load_params
+
+DEFAULT_TARGET = "rl@{configuration}"
+TABLE_KEY = "sweep-comparison"
+LINK_KEY = "sweep-mlflow"
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """One combination of the sweep: its DVC experiment name, target and `-S` overrides."""
+
+    name: str
+    target: str
+    overrides: tuple[str, ...]
+    labels: dict[str, str] = field(default_factory=dict, hash=False)
+
+    def override_dict(self) -> dict[str, str]:
+        return dict(item.split("=", 1) for item in self.overrides)
+
+
+def plan_sweep(configurations: list[str], reward_schedules: list[str], seeds: list[int], profile: str,
+               target: str | None, grid: dict[str, list[str]], sweep_id: str) -> list[Experiment]:
+    """Every combination as an `Experiment`, in a stable order (configurations outermost)."""
+    if not configurations and target is None:
+        raise PipelineError("sweep: give configurations (rl_runs names) or a target stage")
+    if reward_schedules and not configurations:
+        raise PipelineError("sweep: reward_schedules need configurations (they set rl_runs.<configuration>.reward)")
+    grid_axes = [[(key, str(value)) for value in values] for key, values in grid.items()]
+    experiments = []
+    combos = itertools.product(configurations or [None], reward_schedules or [None], seeds or [None],
+                               itertools.product(*grid_axes))
+    for index, (configuration, schedule, seed, grid_items) in enumerate(combos, start=1):
+        overrides = [f"profile={profile}"]
+        labels = {"profile": profile}
+        if configuration is not None:
+            labels["configuration"] = configuration
+        if schedule is not None:
+            overrides.append(f"rl_runs.{configuration}.reward={schedule}")
+            labels[tracking.TAG_REWARD_SCHEDULE] = schedule
+        if seed is not None:
+            overrides.append(f"seed={seed}")
+            labels["seed"] = str(seed)
+        overrides += [f"{key}={value}" for key, value in grid_items]
+        slug = "-".join(_slug(part) for part in (configuration, schedule, seed and f"s{seed}") if part)
+        name = f"{sweep_id}-{index}" + (f"-{slug}" if slug else "")
+        chosen = (target or DEFAULT_TARGET).format(configuration=configuration or "")
+        experiments.append(Experiment(name=name, target=chosen, overrides=tuple(overrides), labels=labels))
+    return experiments
+
+
+def check_names(params: dict, configurations: list[str], reward_schedules: list[str]) -> None:
+    """One-line errors for configurations not in params.yaml rl_runs or unknown reward schedules."""
+    known = params.get("rl_runs") or {}
+    for name in configurations:
+        if name not in known:
+            raise PipelineError(f"params.yaml rl_runs: no configuration {name!r} (known: {', '.join(known)})")
+    for name in reward_schedules:
+        if name not in REWARDS:
+            raise PipelineError(f"sweep reward_schedules: unknown schedule {name!r} (known: {', '.join(REWARDS)})")
+
+
+@task(name="dvc-experiment", task_run_name="{experiment.name}", retries=2, retry_delay_seconds=10,
+      retry_condition_fn=retry_only_transient, cache_policy=NO_CACHE)
+def run_experiment(experiment: Experiment, run_id: str | None, root: str) -> None:
+    """`dvc exp run --temp` for one combination, its stage runs nested under `run_id`."""
+    args = ["exp", "run", "--temp", "--name", experiment.name]
+    for override in experiment.overrides:
+        args += ["--set-param", override]
+    try:
+        run_dvc([*args, experiment.target], cwd=root, env=tracking.child_env(run_id), echo=get_run_logger().info)
+    except DvcCommandError as err:
+        raise type(err)(f"experiment {experiment.name}: {err}") from None
+
+
+@flow(name="sweep")
+def sweep(configurations: list[str], reward_schedules: list[str] = [], seeds: list[int] = [],  # noqa: B006
+          profile: str = "tiny", target: str | None = None,
+          grid: dict[str, list[str]] = {}) -> list[dict]:  # noqa: B006
+    """Run every combination as a DVC experiment and compare them.
+
+    configurations: names under params.yaml `rl_runs` (each sets the default target rl@<name>).
+    reward_schedules: reward names of parallel_r1.rewards, set as rl_runs.<configuration>.reward.
+    seeds: values for the top-level `seed`.
+    profile: tiny | paper, set as `profile`.
+    target: DVC stage or output to run instead of rl@<configuration> ("{configuration}" allowed).
+    grid: further axes, dotted param path -> values (e.g. {"rl.lr": ["1e-6", "3e-6"]}).
+    Returns the comparison rows; the flow fails at the end if any experiment failed.
+    """
+    root = Path.cwd()
+    params = load_params(root / PARAMS_FILE)
+    check_names(params, configurations, reward_schedules)
+    sweep_id = datetime.now().strftime("sweep-%m%d-%H%M%S")
+    experiments = plan_sweep(configurations, reward_schedules, seeds, profile, target, grid, sweep_id)
+    logger = get_run_logger()
+    logger.info("%s: %d experiments", sweep_id, len(experiments))
+    rows, failures, run_ids = [], [], {}
+    sweep_tags = {"flow": "sweep", "sweep_id": sweep_id, "prefect_flow_run_id": flow_run.get_id()}
+    sweep_params = {"tracking": params.get("tracking") or {}, "configurations": configurations,
+                    "reward_schedules": reward_schedules, "seeds": seeds, "profile": profile,
+                    "target": target or DEFAULT_TARGET, "grid": grid}
+    mlflow_experiment = tracking.experiment_name(params)
+    with tracking.parent_run(sweep_id, params=sweep_params, tags=sweep_tags, experiment=mlflow_experiment) as sweep_run:
+        for experiment in experiments:
+            tags = {**experiment.labels, tracking.TAG_DVC_EXP: experiment.name, "sweep_id": sweep_id}
+            state = "success"
+            try:
+                with tracking.parent_run(experiment.name, params=experiment.override_dict(), tags=tags,
+                                         parent_run_id=sweep_run, experiment=mlflow_experiment) as run_id:
+                    run_ids[experiment.name] = run_id
+                    run_experiment(experiment, run_id, str(root))
+            except DvcCommandError as err:
+                state = str(err)
+                failures.append(experiment.name)
+            rows.append({"experiment": experiment.name, **experiment.labels, "target": experiment.target,
+                         "overrides": " ".join(experiment.overrides), "state": state,
+                         "mlflow_run_id": run_ids.get(experiment.name) or ""})
+        metrics = _experiment_metrics(root, [row["experiment"] for row in rows])
+        for row in rows:
+            row.update(metrics.get(row["experiment"], {}))
+            tracking.log_metrics(metrics.get(row["experiment"], {}), run_id=run_ids.get(row["experiment"]))
+        _publish(rows, sweep_id, sweep_run)
+        if failures:  # inside the run, so the sweep's MLflow run ends FAILED too
+            raise PipelineError(f"{sweep_id}: {len(failures)} of {len(rows)} experiments failed: {', '.join(failures)}")
+    return rows
+
+
+def _experiment_metrics(root: Path, names: list[str]) -> dict[str, dict[str, float]]:
+    return experiment_metrics(dvc_json(["exp", "show", "--json"], cwd=root), names)
+
+
+def _publish(rows: list[dict], sweep_id: str, sweep_run: str | None) -> None:
+    """The comparison table and the MLflow link as Prefect artifacts."""
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    table = [{column: row.get(column, "") for column in columns} for row in rows]
+    create_table_artifact(table, key=TABLE_KEY, description=f"{sweep_id}: one row per DVC experiment")
+    url = tracking.run_url(sweep_run) if sweep_run else None
+    if url:
+        link = f"[{sweep_id} in MLflow]({url}) — child runs: one per experiment."
+    elif sweep_run:
+        link = (f"MLflow run `{sweep_run}` ({sweep_id}) in `{tracking.tracking_uri()}`; "
+                "browse it with `make ui` or `mlflow ui --backend-store-uri <that uri>`.")
+    else:
+        link = "MLflow tracking was off for this sweep."
+    create_markdown_artifact(f"## {sweep_id}\n\n{link}\n\nCompare: `dvc exp show`.", key=LINK_KEY,
+                             description=f"{sweep_id}: where the runs are")
+
+
+def _slug(value: object) -> str:
+    return re.sub(r"[^A-Za-z0-9_]+", "_", str(value)).strip("_")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="a sweep of DVC experiments as a Prefect flow")
+    parser.add_argument("configurations", nargs="*", help="names under params.yaml rl_runs")
+    parser.add_argument("--reward-schedules", nargs="*", default=[])
+    parser.add_argument("--seeds", nargs="*", type=int, default=[])
+    parser.add_argument("--profile", default="tiny")
+    parser.add_argument("--target", help="stage or output to run instead of rl@<configuration>")
+    parser.add_argument("--grid", nargs="*", default=[], metavar="PATH=V1,V2", help="further param axes")
+    args = parser.parse_args()
+    grid = {}
+    for item in args.grid:
+        if "=" not in item:
+            raise SystemExit(f"error: --grid {item!r}: expected PATH=V1,V2")
+        key, values = item.split("=", 1)
+        grid[key] = values.split(",")
+    sweep(configurations=args.configurations, reward_schedules=args.reward_schedules, seeds=args.seeds,
+          profile=args.profile, target=args.target, grid=grid)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""`make ui`: the Prefect server, the MLflow server and the served deployments, on 127.0.0.1.
+
+    python -m flows.ui        # Ctrl-C stops all three
+    PARALLEL_R1_PREFECT_PORT=4300 PARALLEL_R1_MLFLOW_PORT=5100 python -m flows.ui
+
+State stays in the project: Prefect in .prefect/ (PREFECT_HOME), MLflow runs in mlflow.db and
+artifacts in mlartifacts/; server logs go to .prefect/logs/. Each child runs in its own process
+group, so stopping (Ctrl-C, SIGTERM) terminates every process a server forked, then waits.
+Without these servers everything still works: Prefect starts an ephemeral API per flow run and
+MLflow writes to mlflow.db directly.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from parallel_r1.errors import PipelineError
+
+HOST = "127.0.0.1"
+PREFECT_PORT_ENV, MLFLOW_PORT_ENV = "PARALLEL_R1_PREFECT_PORT", "PARALLEL_R1_MLFLOW_PORT"
+DEFAULT_PREFECT_PORT, DEFAULT_MLFLOW_PORT = 4200, 5000
+START_TIMEOUT_S = 120.0
+
+
+@dataclass
+class Service:
+    """A child process with where its health shows and where it logs."""
+
+    name: str
+    process: subprocess.Popen
+    health_url: str | None
+    log_path: Path | None
+
+
+def prefect_server_command(port: int) -> list[str]:
+    return [sys.executable, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(port),
+            "--analytics-off"]
+
+
+def mlflow_server_env(root: Path) -> dict[str, str]:
+    """The MLflow server's env: its job runner (GenAI scoring, trace roll-ups; eight processes,
+    ~0.5 GB) is switched off — this project logs runs and never submits server jobs."""
+    return dict(server_env(root), MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
+
+
+def mlflow_server_command(port: int, root: Path) -> list[str]:
+    return [sys.executable, "-m", "mlflow", "server", "--host", HOST, "--port", str(port), "--workers", "1",
+            "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+            "--artifacts-destination", str(root / "mlartifacts")]
+
+
+def server_env(root: Path, prefect_port: int | None = None, mlflow_port: int | None = None) -> dict[str, str]:
+    """os.environ with the project's Prefect home and, when given, the two servers' addresses."""
+    env = dict(os.environ, PREFECT_HOME=str(root / ".prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               DO_NOT_TRACK="1", PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    if prefect_port:
+        env["PREFECT_API_URL"] = f"http://{HOST}:{prefect_port}/api"
+    if mlflow_port:
+        env["MLFLOW_TRACKING_URI"] = f"http://{HOST}:{mlflow_port}"
+    return env
+
+
+def start(name: str, command: list[str], env: dict[str, str], cwd: Path, health_url: str | None = None,
+          log_path: Path | None = None) -> Service:
+    """Start `command` in a new process group; output to `log_path` (or inherited)."""
+    output = None
+    if log_path is not None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        output = open(log_path, "ab")  # noqa: SIM115 - the child owns it
+    try:
+        process = subprocess.Popen(command, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=output,
+                                   stderr=subprocess.STDOUT if output else None, start_new_session=True)
+    finally:
+        if output is not None:
+            output.close()
+    return Service(name, process, health_url, log_path)
+
+
+def wait_healthy(service: Service, timeout: float = START_TIMEOUT_S) -> float:
+    """Seconds until `service.health_url` answers 200; one-line error if it dies or times out."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        if service.process.poll() is not None:
+            raise PipelineError(f"{service.name} exited with {service.process.returncode} at start-up"
+                                f" ({_last_line(service.log_path)})")
+        try:
+            with urllib.request.urlopen(service.health_url, timeout=2) as response:
+                if response.status == 200:
+                    return time.monotonic() - started
+        except OSError:
+            pass
+        time.sleep(0.25)
+    raise PipelineError(f"{service.name}: no answer at {service.health_url} within {timeout:.0f} s")
+
+
+def stop(services: list[Service], timeout: float = 20.0) -> None:
+    """Stop services in the given order: SIGTERM the process group, wait, SIGKILL what is left."""
+    for service in services:
+        _signal_group(service.process, signal.SIGTERM)
+        try:
+            service.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_group(service.process, signal.SIGKILL)
+        service.process.wait()
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind((HOST, port))
+        except OSError:
+            return False
+    return True
+
+
+def main() -> None:
+    root = Path.cwd()
+    prefect_port = int(os.environ.get(PREFECT_PORT_ENV, DEFAULT_PREFECT_PORT))
+    mlflow_port = int(os.environ.get(MLFLOW_PORT_ENV, DEFAULT_MLFLOW_PORT))
+    for port, env_name in ((prefect_port, PREFECT_PORT_ENV), (mlflow_port, MLFLOW_PORT_ENV)):
+        if not port_free(port):
+            sys.exit(f"error: port {port} on {HOST} is in use (choose another with {env_name}=...)")
+    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops like Ctrl-C, even during start-up
+    logs = root / ".prefect" / "logs"
+    services: list[Service] = []
+    interrupted = False
+    try:
+        services.append(start("Prefect server", prefect_server_command(prefect_port), server_env(root), root,
+                              f"http://{HOST}:{prefect_port}/api/health", logs / "prefect-server.log"))
+        services.append(start("MLflow server", mlflow_server_command(mlflow_port, root), mlflow_server_env(root),
+                              root, f"http://{HOST}:{mlflow_port}/health", logs / "mlflow-server.log"))
+        for service in services:
+            wait_healthy(service)
+        services.append(start("deployments", [sys.executable, "-m", "flows.serve"],
+                              server_env(root, prefect_port, mlflow_port), root))
+        print(f"Prefect UI: http://{HOST}:{prefect_port}\nMLflow UI:  http://{HOST}:{mlflow_port}\n"
+              f"server logs: {logs}   Ctrl-C stops everything", flush=True)
+        while not (exited := [service for service in services if service.process.poll() is not None]):
+            time.sleep(0.5)
+        print(f"error: {exited[0].name} exited with {exited[0].process.returncode}"
+              f" ({_last_line(exited[0].log_path)})", file=sys.stderr)
+    except KeyboardInterrupt:
+        interrupted = True
+    except PipelineError as err:
+        print(f"error: {err}", file=sys.stderr)
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut the clean-up short
+            signal.signal(signum, signal.SIG_IGN)
+        print("stopping ...", flush=True)
+        stop(list(reversed(services)))
+    sys.exit(0 if interrupted else 1)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _signal_group(process: subprocess.Popen, signum: int) -> None:
+    try:
+        os.killpg(process.pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+def _last_line(path: Path | None) -> str:
+    if path is None or not path.is_file():
+        return "see its output above"
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    return lines[-1].strip() if lines else f"{path} is empty"
+
+
+if __name__ == "__main__":
+    main()

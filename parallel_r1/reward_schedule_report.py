@@ -1,0 +1,148 @@
+"""Reward schedules side by side: reports/reward_schedules.md and .png from the RL runs in MLflow.
+
+The RL stage logs, per optimizer step, the mean reward, the accuracy and the share of responses
+with a parallel block into its MLflow run, tagged `reward_schedule` (see `tracking.stage_run`).
+This report reads those step histories back and compares the schedules the paper compares
+(§4.3-4.5): accuracy-only, parallel-only, alternating (S2) and scaffold. Every finished run of
+the RL stage with one of these tags is shown (several seeds give several lines).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from parallel_r1 import tracking
+from parallel_r1.errors import PipelineError
+from parallel_r1.io import atomic_path
+
+# Schedule name (the `reward` of an rl_runs entry) -> label in the report, in display order.
+SCHEDULES = {
+    "accuracy": "accuracy-only",
+    "parallel_only": "parallel-only",
+    "alternating": "alternating (S2)",
+    "scaffold": "scaffold (S2, then accuracy-only)",
+}
+# Curve -> MLflow metric key the RL trainer logs it under. TRL logs the total reward as `reward`
+# and each reward function as `rewards/<function>/mean`; change the right-hand side to match.
+METRICS = {
+    "reward": "reward",
+    "accuracy": "accuracy",
+    "parallel_ratio": "parallel_ratio",
+}
+RL_STAGE = "rl"
+
+
+@dataclass
+class RunCurves:
+    """One RL run: its schedule and, per curve name, (step, value) points sorted by step."""
+
+    run_id: str
+    name: str
+    schedule: str
+    curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+
+
+def collect_curves(params: Mapping[str, Any] | None = None, stage: str = RL_STAGE) -> list[RunCurves]:
+    """Finished runs of `stage` tagged with a schedule of SCHEDULES, with their metric histories.
+
+    Only the latest run per run name and DVC experiment counts (a rerun replaces the earlier
+    one; sweep experiments, e.g. seeds, stay apart). MLflow location and experiment as
+    `tracking` resolves them (env, then params `tracking.*`).
+    """
+    from mlflow import MlflowClient
+
+    uri = tracking.tracking_uri(params)
+    name = tracking.experiment_name(params)
+    client = MlflowClient(tracking_uri=uri)
+    found = client.get_experiment_by_name(name)
+    if found is None:
+        raise PipelineError(f"MLflow {uri}: no experiment {name!r} (run the RL stages with tracking on)")
+    runs = []
+    for schedule in SCHEDULES:
+        query = (f"tags.{tracking.TAG_STAGE} = '{stage}' and tags.{tracking.TAG_REWARD_SCHEDULE} = '{schedule}'"
+                 " and attributes.status = 'FINISHED'")
+        latest: dict[str, Any] = {}
+        for run in client.search_runs([found.experiment_id], filter_string=query,
+                                      order_by=["attributes.start_time DESC"]):
+            label = run.info.run_name or run.info.run_id
+            if run.data.tags.get(tracking.TAG_DVC_EXP):
+                label += f" [{run.data.tags[tracking.TAG_DVC_EXP]}]"
+            latest.setdefault(label, run)
+        for label, run in sorted(latest.items()):
+            curves = {curve: _history(client, run.info.run_id, key) for curve, key in METRICS.items()}
+            runs.append(RunCurves(run.info.run_id, label, schedule, curves))
+    if not runs:
+        raise PipelineError(f"MLflow {uri} experiment {name!r}: no finished {stage!r} runs tagged "
+                            f"{tracking.TAG_REWARD_SCHEDULE} in {sorted(SCHEDULES)}")
+    return runs
+
+
+def markdown(runs: list[RunCurves], source: str, plot_name: str = "reward_schedules.png") -> str:
+    """A table: one row per run with its last and best value of each curve."""
+    header = ["schedule", "run", "steps", *(f"last {curve}" for curve in METRICS),
+              *(f"best {curve}" for curve in METRICS)]
+    lines = ["# Reward schedules", "",
+             f"RL runs from MLflow ({source}), compared over optimizer steps; "
+             f"curves in `{plot_name}`. Metric keys: "
+             + ", ".join(f"{curve} = `{key}`" for curve, key in METRICS.items()) + ".", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for run in runs:
+        steps = max((len(points) for points in run.curves.values()), default=0)
+        last = [_fmt(points[-1][1] if points else None) for points in run.curves.values()]
+        best = [_fmt(max((value for _, value in points), default=None)) for points in run.curves.values()]
+        lines.append("| " + " | ".join([SCHEDULES[run.schedule], run.name, str(steps), *last, *best]) + " |")
+    missing = [label for schedule, label in SCHEDULES.items() if not any(run.schedule == schedule for run in runs)]
+    if missing:
+        lines += ["", f"No finished runs yet for: {', '.join(missing)}."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: list[RunCurves], path: str | os.PathLike) -> None:
+    """One panel per curve, one line per run, one colour per schedule."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = dict(zip(SCHEDULES, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    fig, axes = plt.subplots(1, len(METRICS), figsize=(5 * len(METRICS), 3.8), squeeze=False)
+    for axis, curve in zip(axes[0], METRICS):
+        for run in runs:
+            points = run.curves.get(curve) or []
+            if points:
+                steps, values = zip(*points)
+                axis.plot(steps, values, color=colours[run.schedule], marker=".",
+                          label=f"{SCHEDULES[run.schedule]}: {run.name}")
+        axis.set_title(curve)
+        axis.set_xlabel("step")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=120)
+    plt.close(fig)
+
+
+def build_report(markdown_path: str | os.PathLike, plot_path: str | os.PathLike,
+                 params: Mapping[str, Any] | None = None, stage: str = RL_STAGE) -> list[RunCurves]:
+    """Write the markdown table and the plot; returns the runs they show."""
+    runs = collect_curves(params, stage)
+    plot(runs, plot_path)
+    source = f"experiment `{tracking.experiment_name(params)}`"
+    with atomic_path(markdown_path) as tmp:
+        Path(tmp).write_text(markdown(runs, source, Path(plot_path).name), encoding="utf-8")
+    return runs
+
+
+def _history(client, run_id: str, key: str) -> list[tuple[int, float]]:
+    by_step: dict[int, tuple[int, float]] = {}
+    for metric in client.get_metric_history(run_id, key):
+        if metric.step not in by_step or metric.timestamp >= by_step[metric.step][0]:
+            by_step[metric.step] = (metric.timestamp, metric.value)
+    return [(step, value) for step, (_, value) in sorted(by_step.items())]
+
+
+def _fmt(value: float | None) -> str:
+    return "—" if value is None else f"{value:.3f}"
