@@ -1,0 +1,382 @@
+"""Cold-start SFT on Parallel-GSM8K (PAPER.md stage 3) for both variants, with TRL's SFTTrainer.
+
+Data: each filtered teacher row becomes a prompt-completion pair. The prompt is the Parallel
+Thinking prompt as one user message rendered through the chat template with the generation prompt
+(`prompts.render_prompt`: exactly what rollouts and evaluation feed the model); the completion is the
+teacher's final output plus the end-of-turn token. TRL sets the prompt tokens' labels to -100
+(`completion_only_loss`), so the loss covers response tokens only. Why not a conversational
+completion: Qwen3's chat template renders a final assistant turn as `<think>\\n\\n</think>\\n\\n...`,
+which the generation prompt lacks, so the model would learn to open every answer with an empty
+thinking block that the paper's data (thinking dropped) never holds.
+
+Seen trains with plain causal attention. Unseen trains through `ParallelSFTCollator`, which runs
+`structure.build_structure` on every padded batch in the data loader and ships it as O(L) per-token
+tensors: multiverse `position_ids`, the 2D padding `attention_mask`, and each token's path window
+(`path_window_start`, `path_window_end`: the earlier sibling paths it must not see). A forward
+pre-hook (`install_structured_attention`) turns them into the mask on the model's device right
+before the forward: a dense 4D mask for SDPA (`attention_backend: dense`) or a FlexAttention
+BlockMask (`flex`). Why not put the 4D mask itself in the batch: SFTTrainer.compute_loss counts
+tokens with `inputs["attention_mask"].sum()`, which a 4D mask inflates (B*L^2) and a BlockMask
+breaks (no `.sum()`); with the 2D mask kept under its usual key every TRL metric (num_tokens,
+entropy, token accuracy) stays right without re-implementing compute_loss. A BlockMask's mask_mod
+also reads the per-token tensors, which must sit on the GPU running the kernel (data-loader workers
+must not touch CUDA), and O(L) tensors are cheap to move where an L x L mask per row is not.
+
+Checkpoints go to `checkpoint_dir` every `save_steps` (the last one kept); a re-run with the same
+options, data and base model resumes from it, any other re-run starts afresh. Every process takes
+part in saving (FSDP / ZeRO-3 gather the weights), only the main one moves the final model (safetensors
++ tokenizer) into place, atomically, so `accelerate launch` works unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Literal, Mapping, Sequence
+
+import torch
+
+from parallel_r1.config import from_mapping
+from parallel_r1.errors import PipelineError
+from parallel_r1.format import check_format, parallel_ratio
+from parallel_r1.io import atomic_path
+from parallel_r1.models import load_model
+from parallel_r1.prompts import render_prompt
+from parallel_r1.structure import Structure, TagIds, attention_inputs, build_structure
+
+Variant = Literal["seen", "unseen"]
+VARIANTS: tuple[str, ...] = ("seen", "unseen")
+WINDOW_START, WINDOW_END = "path_window_start", "path_window_end"
+END_OF_TURN = "<|im_end|>"  # Qwen chat templates close every turn with it
+ATTN_FOR_BACKEND = {"dense": "sdpa", "flex": "flex_attention"}
+RUN_RECORD = "run.json"  # what the checkpoints in a checkpoint folder were trained from
+PROBE_FIELDS = ("probe_questions", "probe_max_tokens")
+
+
+@dataclass(frozen=True)
+class SFTOptions:
+    """Cold-start SFT settings: params.yaml `sft`, with `max_steps` picked for the variant.
+
+    Optimisation: `batch_size` rows per optimizer update (the paper's 128), reached through
+    gradient accumulation over `per_device_batch_size` rows x processes; AdamW with `lr`,
+    `weight_decay`, a linear warm-up over `warmup_ratio` of the steps, then `lr_scheduler`.
+    Sequences: prompt + completion cut to `max_length` tokens (the end is dropped; a block cut open
+    keeps its paths independent). Attention (Unseen only): `dense` builds a 4D mask for SDPA (CPU, or
+    GPU at short lengths), `flex` a FlexAttention BlockMask (GPU: compiled, block-sparse).
+    Probe (read by the stage, not by training): greedy generations on `probe_questions` GSM8K test
+    questions, at most `probe_max_tokens` new tokens each.
+    """
+
+    variant: Variant
+    batch_size: int = field(metadata={"min": 1})
+    per_device_batch_size: int = field(metadata={"min": 1})
+    lr: float = field(metadata={"min": 0})
+    weight_decay: float = field(metadata={"min": 0})
+    warmup_ratio: float = field(metadata={"min": 0})
+    lr_scheduler: str
+    max_length: int = field(metadata={"min": 16})
+    max_steps: int = field(metadata={"min": 1})
+    attention_backend: Literal["dense", "flex"] = "dense"
+    gradient_checkpointing: bool = False
+    save_steps: int = field(default=50, metadata={"min": 1})
+    seed: int = 0
+    probe_questions: int = field(default=16, metadata={"min": 0})
+    probe_max_tokens: int = field(default=512, metadata={"min": 1})
+
+    def __post_init__(self) -> None:
+        if self.warmup_ratio >= 1:
+            raise PipelineError(f"params.yaml sft.warmup_ratio: must be < 1 (a share of the steps), got {self.warmup_ratio}")
+
+    @classmethod
+    def from_params(cls, sft: Mapping[str, Any], variant: str, seed: int = 0,
+                    where: str = "params.yaml sft") -> SFTOptions:
+        """Options for `variant` from the `sft` section, whose `max_steps` maps variant -> updates."""
+        if variant not in VARIANTS:
+            raise PipelineError(f"SFT variant {variant!r} is unknown (choose from {', '.join(VARIANTS)})")
+        values = dict(sft or {})
+        steps = values.get("max_steps")
+        if isinstance(steps, Mapping):
+            if variant not in steps:
+                raise PipelineError(f"{where}.max_steps: no entry for variant {variant!r}")
+            values["max_steps"] = steps[variant]
+        values.setdefault("seed", seed)
+        return from_mapping(cls, {**values, "variant": variant}, where)
+
+    @property
+    def structured(self) -> bool:
+        return self.variant == "unseen"
+
+    @property
+    def attn_implementation(self) -> str:
+        """The model's attention kernel: SDPA for Seen, the backend's for Unseen."""
+        return ATTN_FOR_BACKEND[self.attention_backend] if self.structured else "sdpa"
+
+    def gradient_accumulation_steps(self, processes: int = 1) -> int:
+        per_update = self.per_device_batch_size * processes
+        if self.batch_size % per_update:
+            raise PipelineError(f"params.yaml sft.batch_size: {self.batch_size} is not a multiple of "
+                                f"per_device_batch_size {self.per_device_batch_size} x {processes} process(es)")
+        return self.batch_size // per_update
+
+
+def end_of_turn(tokenizer) -> str:
+    """The token that closes the assistant turn: `<|im_end|>` for Qwen chat models, else EOS."""
+    return END_OF_TURN if END_OF_TURN in tokenizer.get_vocab() else tokenizer.eos_token
+
+
+def sft_dataset(rows: Sequence[Mapping[str, Any]], tokenizer, where: str = "SFT data"):
+    """TRL prompt-completion dataset: rendered Parallel Thinking prompt -> teacher completion + end of turn."""
+    from datasets import Dataset
+
+    if not rows:
+        raise PipelineError(f"{where}: zero rows — the filter kept nothing")
+    end = end_of_turn(tokenizer)
+    prompts, completions = [], []
+    for index, row in enumerate(rows, start=1):
+        question, completion = row.get("question"), row.get("completion")
+        for name, value in (("question", question), ("completion", completion)):
+            if not isinstance(value, str) or not value.strip():
+                raise PipelineError(f"{where} row {index} (id {row.get('id', '?')}): field {name} must be a non-empty string")
+        prompts.append(render_prompt(tokenizer, question))
+        completions.append(completion if completion.endswith(end) else completion + end)
+    return Dataset.from_dict({"prompt": prompts, "completion": completions})
+
+
+@dataclass
+class ParallelSFTCollator:
+    """Pads like TRL (right padding, label -100 on prompt and padding); Unseen adds the structure.
+
+    `tags` None = Seen: the batch is TRL's own (causal attention, ordinary positions).
+    """
+
+    pad_token_id: int
+    tags: TagIds | None = None
+    pad_to_multiple_of: int | None = None
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+        batch = DataCollatorForLanguageModeling(pad_token_id=self.pad_token_id,
+                                                pad_to_multiple_of=self.pad_to_multiple_of)(examples)
+        if self.tags is None:
+            return batch
+        structure = build_structure(batch["input_ids"], batch["attention_mask"], self.tags)
+        batch["position_ids"] = structure.position_ids
+        batch[WINDOW_START] = structure.hidden_start
+        batch[WINDOW_END] = structure.hidden_end
+        return batch
+
+
+def batch_structure(batch: Mapping[str, torch.Tensor]) -> Structure:
+    """The `Structure` an Unseen batch (or forward kwargs) describes, on the tensors' device."""
+    return Structure(position_ids=batch["position_ids"], broken_blocks=0, open_blocks=0,
+                     valid=batch["attention_mask"].bool(), hidden_start=batch[WINDOW_START],
+                     hidden_end=batch[WINDOW_END])
+
+
+def install_structured_attention(model: torch.nn.Module, attn_implementation: str):
+    """Forward pre-hook: a call carrying the path window runs with the structured mask; returns the handle."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+    def apply_structure(module, args, kwargs):
+        if WINDOW_START not in kwargs:
+            return None
+        kwargs = dict(kwargs)
+        structure = batch_structure(kwargs)
+        del kwargs[WINDOW_START], kwargs[WINDOW_END]
+        kwargs.update(attention_inputs(structure, attn_implementation, dtype))
+        return args, kwargs
+
+    return model.register_forward_pre_hook(apply_structure, with_kwargs=True)
+
+
+def sft_config(options: SFTOptions, output_dir: str | os.PathLike, eos_token: str, report_to: str | list[str] = "none",
+               bf16: bool = False, processes: int = 1):
+    """TRL SFTConfig for `options`: completion-only loss, per-step logs, checkpoints every save_steps."""
+    from transformers.trainer_utils import SchedulerType
+    from trl import SFTConfig
+
+    if options.lr_scheduler not in {s.value for s in SchedulerType}:
+        raise PipelineError(f"params.yaml sft.lr_scheduler: unknown scheduler {options.lr_scheduler!r} "
+                            f"(e.g. cosine, linear, constant_with_warmup)")
+    flex = options.structured and options.attention_backend == "flex"
+    return SFTConfig(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=options.per_device_batch_size,
+        gradient_accumulation_steps=options.gradient_accumulation_steps(processes),
+        learning_rate=options.lr,
+        weight_decay=options.weight_decay,
+        warmup_steps=options.warmup_ratio,  # a float < 1 is a share of max_steps
+        lr_scheduler_type=options.lr_scheduler,
+        max_steps=options.max_steps,
+        max_length=options.max_length,
+        completion_only_loss=True,
+        eos_token=eos_token,
+        pad_to_multiple_of=128 if flex else None,  # fewer shapes for the compiled BlockMask
+        gradient_checkpointing=options.gradient_checkpointing,
+        bf16=bf16,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=options.save_steps,
+        save_total_limit=1,
+        seed=options.seed,
+        data_seed=options.seed,
+        report_to=report_to,
+    )
+
+
+@dataclass
+class SFTResult:
+    """A finished run. `loss_history`: one {step, loss, lr, grad_norm} per update (resumed runs included)."""
+
+    model_dir: Path
+    steps: int
+    examples: int
+    dataset_tokens: int
+    completion_tokens: int
+    trained_tokens: int | None
+    final_loss: float | None
+    loss_history: list[dict]
+    resumed_from: str | None
+    is_main_process: bool
+
+
+def _fingerprint(options: SFTOptions, dataset, base_dir: Path) -> dict:
+    """What checkpoints depend on: training options, the data, the base model files."""
+    data = hashlib.sha256()
+    for prompt, completion in zip(dataset["prompt"], dataset["completion"]):
+        data.update(prompt.encode() + b"\0" + completion.encode() + b"\0")
+    base = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in base_dir.iterdir() if p.is_file())
+    training = {k: v for k, v in asdict(options).items() if k not in PROBE_FIELDS}
+    fingerprint = {"options": training, "data_sha256": data.hexdigest(), "base_model": [str(base_dir.resolve()), base]}
+    return json.loads(json.dumps(fingerprint))  # as it reads back from run.json (tuples become lists)
+
+
+def _resume_point(checkpoint_dir: Path, fingerprint: dict, state) -> str | None:
+    """The last checkpoint of a run with the same fingerprint; else clear the folder for a fresh run."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    record = checkpoint_dir / RUN_RECORD
+    same_run = record.is_file() and json.loads(record.read_text(encoding="utf-8")) == fingerprint
+    last = get_last_checkpoint(str(checkpoint_dir)) if same_run else None
+    state.wait_for_everyone()
+    if not same_run and state.is_main_process:
+        shutil.rmtree(checkpoint_dir, ignore_errors=True)
+        checkpoint_dir.mkdir(parents=True)
+        record.write_text(json.dumps(fingerprint), encoding="utf-8")
+    state.wait_for_everyone()
+    return last
+
+
+def make_trainer(options: SFTOptions, model, tokenizer, dataset, output_dir: str | os.PathLike, *,
+                 bf16: bool = False, report_to: str | list[str] = "none", processes: int = 1, callbacks: Iterable = ()):
+    """SFTTrainer for `options` over a `sft_dataset`; Unseen gets its collator and the mask hook."""
+    from trl import SFTTrainer
+
+    tags = TagIds.from_tokenizer(tokenizer) if options.structured else None
+    config = sft_config(options, output_dir, end_of_turn(tokenizer), report_to, bf16=bf16, processes=processes)
+    collator = ParallelSFTCollator(tokenizer.pad_token_id, tags, config.pad_to_multiple_of)
+    trainer = SFTTrainer(model=model, args=config, data_collator=collator, train_dataset=dataset,
+                         processing_class=tokenizer, callbacks=list(callbacks))
+    if options.structured:
+        install_structured_attention(trainer.model, options.attn_implementation)
+    return trainer
+
+
+def train_sft(options: SFTOptions, base_dir: str | os.PathLike, rows: Sequence[Mapping[str, Any]],
+              out_dir: str | os.PathLike, checkpoint_dir: str | os.PathLike, *, dtype: str = "float32",
+              report_to: str | list[str] = "none", where: str = "SFT data", callbacks: Iterable = ()) -> SFTResult:
+    """Fine-tune the model in `base_dir` on `rows` (teacher-output records) and save it to `out_dir`.
+
+    Weights stay float32 (the optimizer's master copy); on a GPU with `dtype` bfloat16 the
+    forward/backward run under bf16 autocast. On CPU everything is float32.
+    """
+    from accelerate import PartialState
+
+    if not rows:
+        raise PipelineError(f"{where}: zero rows — the filter kept nothing")
+    state = PartialState()
+    base_dir, out_dir, checkpoint_dir = Path(base_dir), Path(out_dir), Path(checkpoint_dir)
+    model, tokenizer = load_model(base_dir, "float32", attn_implementation=options.attn_implementation)
+    dataset = sft_dataset(rows, tokenizer, where)
+    resumed_from = _resume_point(checkpoint_dir, _fingerprint(options, dataset, base_dir), state)
+    trainer = make_trainer(options, model, tokenizer, dataset, checkpoint_dir, report_to=report_to,
+                           bf16=torch.cuda.is_available() and dtype == "bfloat16", processes=state.num_processes,
+                           callbacks=callbacks)
+    trainer.train(resume_from_checkpoint=resumed_from)
+
+    staging = checkpoint_dir / "final"
+    trainer.model.config.use_cache = True
+    trainer.save_model(str(staging))  # every process joins the gather; the main one writes
+    state.wait_for_everyone()
+    if state.is_main_process:
+        with atomic_path(out_dir, is_dir=True) as tmp:
+            for item in staging.iterdir():
+                if item.name != "training_args.bin":
+                    shutil.move(str(item), tmp / item.name)
+        shutil.rmtree(checkpoint_dir, ignore_errors=True)
+    state.wait_for_everyone()
+
+    history = [{"step": e["step"], "loss": e["loss"], "lr": e.get("learning_rate"), "grad_norm": e.get("grad_norm")}
+               for e in trainer.state.log_history if "loss" in e]
+    token_logs = [e["num_tokens"] for e in trainer.state.log_history if "num_tokens" in e]
+    labels = trainer.train_dataset["labels"]
+    return SFTResult(
+        model_dir=out_dir, steps=trainer.state.global_step, examples=len(dataset),
+        dataset_tokens=sum(len(ids) for ids in trainer.train_dataset["input_ids"]),
+        completion_tokens=sum(sum(1 for t in row if t != -100) for row in labels),
+        trained_tokens=int(token_logs[-1]) if token_logs else None,
+        final_loss=history[-1]["loss"] if history else None, loss_history=history,
+        resumed_from=resumed_from, is_main_process=state.is_main_process,
+    )
+
+
+def probe_parallel_blocks(model_dir: str | os.PathLike, questions: Sequence[str], max_new_tokens: int,
+                          batch_size: int = 8, n_examples: int = 2) -> dict[str, Any]:
+    """Greedy generations of the saved model on `questions` and how many hold well-formed blocks.
+
+    Plain `model.generate` with causal attention and no forking engine, so the model must write
+    every tag itself; `parallel_block_rate` is `format.parallel_ratio` (Algorithm 1 passed, >= 1
+    block). Why causal for Unseen too: decoded linearly under its own path-window mask, a greedy
+    Unseen model can never close a valid block -- path 2 sees exactly what path 1 saw (same context,
+    same multiverse positions), so it repeats path 1 token for token, and the token after each
+    `</Path>` is chosen without seeing how many paths exist, so the block ends after one path or
+    never. Only the forking engine (which fixes the number of paths) decodes Unseen exactly.
+    """
+    model, tokenizer = load_model(model_dir, "float32", attn_implementation="sdpa")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model.to(device).eval()
+    tokenizer.padding_side = "left"
+    stops = sorted({tokenizer.convert_tokens_to_ids(end_of_turn(tokenizer)), tokenizer.eos_token_id})
+    texts, lengths = [], []
+    for start in range(0, len(questions), batch_size):
+        prompts = [render_prompt(tokenizer, q) for q in questions[start:start + batch_size]]
+        enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+        with torch.no_grad():
+            out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=stops,
+                                 pad_token_id=tokenizer.pad_token_id)
+        for row in out[:, enc["input_ids"].shape[1]:].tolist():
+            ends = [i for i, t in enumerate(row) if t in stops]
+            row = row[:ends[0]] if ends else row
+            lengths.append(len(row))
+            texts.append(tokenizer.decode(row, skip_special_tokens=False))
+    reasons: dict[str, int] = {}
+    for text in texts:
+        verdict = check_format(text)
+        key = "ok" if verdict.ok else verdict.reason
+        reasons[key] = reasons.get(key, 0) + 1
+    ranked = sorted(range(len(texts)), key=lambda i: not check_format(texts[i]).ok)  # well-formed first
+    return {
+        "questions": len(texts),
+        "max_new_tokens": max_new_tokens,
+        "decoding": "greedy, causal attention, no forking",
+        "parallel_block_rate": parallel_ratio(texts),
+        "parallel_tag_rate": sum("<Parallel>" in t for t in texts) / len(texts) if texts else 0.0,
+        "format_check": dict(sorted(reasons.items())),
+        "mean_response_tokens": sum(lengths) / len(lengths) if lengths else 0.0,
+        "examples": [{"question": questions[i], "response": texts[i]} for i in ranked[:n_examples]],
+    }

@@ -1,0 +1,89 @@
+"""Stage `sft@<variant>`: cold-start SFT on Parallel-GSM8K (PAPER.md stage 3), Seen or Unseen.
+
+    dvc repro sft@seen                # or sft@unseen
+    python -m stages.sft seen         # the same, directly
+    accelerate launch --config_file configs/<x>.yaml -m stages.sft unseen   # several GPUs / nodes
+
+Seen trains with causal attention, Unseen with the path-window mask and multiverse position ids
+(`parallel_r1.structure`). Reads models/base and data/sft/parallel_gsm8k.jsonl; writes
+models/sft_<variant> (safetensors + tokenizer), metrics/sft/<variant>/loss.json (per update: step,
+loss, lr, grad_norm; a DVC plot) and metrics/sft/<variant>/summary.json (final loss, steps, examples,
+tokens, wall time, and the parallel-block rate of the SFT model's own greedy generations on held-out
+GSM8K test questions, with examples). Checkpoints go to checkpoints/sft_<variant>/ every
+`sft.save_steps`; re-running a killed run resumes from the last one.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from contextlib import nullcontext
+
+from parallel_r1 import tracking
+from parallel_r1.data import load_problems
+from parallel_r1.errors import PipelineError
+from parallel_r1.io import read_jsonl, write_json
+from parallel_r1.training.sft import VARIANTS, SFTOptions, probe_parallel_blocks, train_sft
+from stages.common import load_params, section, stage_main
+
+BASE_MODEL = "models/base"
+SFT_DATA = "data/sft/parallel_gsm8k.jsonl"
+PROBE_SET = "gsm8k_test"  # held out: SFT trains on GSM8K train questions
+
+
+def is_main_process() -> bool:
+    """Rank 0 under `accelerate launch` / torchrun (which set RANK), else the only process."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+@stage_main
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or args[0] not in VARIANTS:
+        raise PipelineError(f"usage: python -m stages.sft <variant> (one of {', '.join(VARIANTS)})")
+    variant = args[0]
+    params = load_params()
+    options = SFTOptions.from_params(section(params, "sft"), variant, seed=int(params.get("seed", 0)))
+    rows = read_jsonl(SFT_DATA, required=("question", "completion"), allow_empty=True)
+    run = tracking.stage_run(stage="sft", config=variant, params=params, tags={"variant": variant}) \
+        if is_main_process() else nullcontext()
+    with run:
+        started = time.perf_counter()
+        result = train_sft(options, BASE_MODEL, rows, f"models/sft_{variant}", f"checkpoints/sft_{variant}",
+                           dtype=str(section(params, "model").get("dtype", "float32")),
+                           report_to=tracking.report_to(), where=SFT_DATA)
+        if not result.is_main_process:
+            return
+        train_seconds = time.perf_counter() - started
+        mirror = section(params, "data").get("mirror_dir")
+        questions = [p["question"] for p in load_problems(PROBE_SET, mirror, options.probe_questions)]
+        probe = probe_parallel_blocks(result.model_dir, questions, options.probe_max_tokens)
+        summary = {
+            "variant": variant,
+            "profile": params["profile"],
+            "final_loss": result.final_loss,
+            "first_loss": result.loss_history[0]["loss"] if result.loss_history else None,
+            "steps": result.steps,
+            "examples": result.examples,
+            "dataset_tokens": result.dataset_tokens,
+            "completion_tokens": result.completion_tokens,
+            "trained_tokens_this_run": result.trained_tokens,
+            "resumed_from": result.resumed_from,
+            "train_wall_seconds": round(train_seconds, 1),
+            "wall_seconds": round(time.perf_counter() - started, 1),
+            "probe": {"dataset": PROBE_SET, **probe},
+        }
+        write_json(f"metrics/sft/{variant}/loss.json", result.loss_history)
+        write_json(f"metrics/sft/{variant}/summary.json", summary)
+        tracking.log_metrics({"final_loss": result.final_loss, "parallel_block_rate": probe["parallel_block_rate"],
+                              "parallel_tag_rate": probe["parallel_tag_rate"],
+                              "probe_mean_response_tokens": probe["mean_response_tokens"],
+                              "wall_seconds": summary["wall_seconds"]})
+        tracking.log_model_reference(result.model_dir)
+    print(f"sft@{variant}: {result.steps} steps on {result.examples} examples, loss "
+          f"{summary['first_loss']} -> {result.final_loss}, {summary['wall_seconds']} s; parallel-block rate "
+          f"{probe['parallel_block_rate']:.2f} on {probe['questions']} {PROBE_SET} questions -> {result.model_dir}")
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""Cold-start SFT: completion-only labels, the Unseen collator's structure, structured training
+forwards, and real (tiny) SFT runs through the library and the stage."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from transformers import TrainerCallback
+
+from parallel_r1.data import load_teacher_demos
+from parallel_r1.errors import PipelineError
+from parallel_r1.format import check_format
+from parallel_r1.io import read_json, write_jsonl
+from parallel_r1.models import TinyModelConfig, build_tiny_model, load_model, load_tokenizer, prepare_base_model, \
+    qwen3_tokenizer_dir
+from parallel_r1.prompts import render_prompt
+from parallel_r1.structure import TagIds, build_structure
+from parallel_r1.training.sft import ParallelSFTCollator, SFTOptions, batch_structure, install_structured_attention, \
+    make_trainer, sft_dataset, train_sft
+
+TINY = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=16)
+SFT_PARAMS = dict(batch_size=2, per_device_batch_size=1, lr=1e-2, weight_decay=0.0, warmup_ratio=0.0,
+                  lr_scheduler="constant", max_length=288, max_steps={"seen": 4, "unseen": 4},
+                  attention_backend="dense", gradient_checkpointing=False, save_steps=2,
+                  probe_questions=2, probe_max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(qwen3_tokenizer_dir())
+
+
+@pytest.fixture(scope="module")
+def tags(tokenizer):
+    return TagIds.from_tokenizer(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def demos(mirror):
+    """Eight real teacher completions that pass Algorithm 1 (the released Parallel-GSM8K generations)."""
+    return [row for row in load_teacher_demos(mirror, limit=40) if check_format(row["completion"])][:8]
+
+
+def options(variant: str, **overrides) -> SFTOptions:
+    return SFTOptions.from_params({**SFT_PARAMS, **overrides}, variant)
+
+
+def prepared_rows(variant, tokenizer, demos, tmp_path, count=3):
+    """Rows as SFTTrainer prepares them (tokenized, labels built, truncated)."""
+    trainer = make_trainer(options(variant, max_length=2048), build_tiny_model(tokenizer, TINY), tokenizer,
+                           sft_dataset(demos[:count], tokenizer), tmp_path / "out")
+    return trainer, [trainer.train_dataset[i] for i in range(count)]
+
+
+@pytest.mark.parametrize("variant", ["seen", "unseen"])
+def test_loss_covers_completion_tokens_only(variant, tokenizer, demos, tmp_path):
+    trainer, rows = prepared_rows(variant, tokenizer, demos, tmp_path)
+    batch = trainer.data_collator(rows)
+    for i, demo in enumerate(demos[:3]):
+        prompt_len = len(tokenizer(render_prompt(tokenizer, demo["question"]))["input_ids"])
+        real = int(batch["attention_mask"][i].sum())
+        labels, ids = batch["labels"][i], batch["input_ids"][i]
+        assert (labels[:prompt_len] == -100).all()
+        assert torch.equal(labels[prompt_len:real], ids[prompt_len:real])
+        assert (labels[real:] == -100).all()
+        completion = tokenizer.decode(ids[prompt_len:real], skip_special_tokens=False)
+        assert completion == demo["completion"] + "<|im_end|>"
+
+
+def test_unseen_batch_carries_the_structure_of_build_structure(tokenizer, tags, demos, tmp_path):
+    trainer, rows = prepared_rows("unseen", tokenizer, demos, tmp_path)
+    batch = trainer.data_collator(rows)
+    assert (batch["attention_mask"] == 0).any(), "rows of different lengths must be padded"
+    expected = build_structure(batch["input_ids"], batch["attention_mask"], tags)
+    assert torch.equal(batch["position_ids"], expected.position_ids)
+    assert torch.equal(batch_structure(batch).mask, expected.mask)
+    assert not torch.equal(expected.mask, build_structure(batch["input_ids"], batch["attention_mask"], tags,
+                                                          structured=False).mask)
+    assert batch_structure(batch).mask.any(dim=-1).all(), "a fully masked row (padding included)"
+
+
+def test_truncated_sample_with_unbalanced_tags_collates(tokenizer, tags):
+    text = "intro <Parallel><Path> one </Path><Path> two </Path></Parallel><Summary> s </Summary> then </Path> " \
+           "<Parallel><Path> cut mid"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    examples = [{"input_ids": ids, "labels": ids}, {"input_ids": ids[:5], "labels": ids[:5]}]
+    batch = ParallelSFTCollator(tokenizer.pad_token_id, tags)(examples)
+    mask = batch_structure(batch).mask
+    assert mask.shape == (2, 1, len(ids), len(ids))
+    assert mask.any(dim=-1).all()
+
+
+def _path_batch(tokenizer, path_one: str):
+    """One sequence `ctx <Parallel><Path>path_one</Path><Path>path two</Path></Parallel>`; loss on path two."""
+    pieces = ["Context: count apples.", "<Parallel>", "<Path>", path_one, "</Path>", "<Path>",
+              " add three and four to get seven", "</Path>", "</Parallel>"]
+    ids, spans = [], []
+    for piece in pieces:
+        start = len(ids)
+        ids += tokenizer(piece, add_special_tokens=False)["input_ids"]
+        spans.append((start, len(ids)))
+    labels = [-100] * len(ids)
+    first, last = spans[6][0], spans[7][1]  # path two's content and its </Path>, not its <Path>
+    labels[first:last] = ids[first:last]
+    return {"input_ids": ids, "labels": labels}
+
+
+@pytest.mark.parametrize("variant", ["seen", "unseen"])
+def test_path_two_loss_depends_on_path_one_only_when_seen(variant, tokenizer, tags):
+    model = build_tiny_model(tokenizer, TINY).eval()
+    collator = ParallelSFTCollator(tokenizer.pad_token_id, tags if variant == "unseen" else None)
+    install_structured_attention(model, "sdpa")
+    one = _path_batch(tokenizer, " red green blue")
+    other = _path_batch(tokenizer, " cat dog fox")
+    assert len(one["input_ids"]) == len(other["input_ids"]) and one["input_ids"] != other["input_ids"]
+    with torch.no_grad():
+        losses = [model(**collator([example])).loss for example in (one, other)]
+    if variant == "unseen":
+        assert torch.allclose(losses[0], losses[1], atol=1e-6)
+    else:
+        assert not torch.allclose(losses[0], losses[1], atol=1e-4)
+
+
+def test_batch_size_must_split_into_devices_and_accumulation():
+    with pytest.raises(PipelineError, match="batch_size: 6 is not a multiple of per_device_batch_size 4"):
+        options("seen", batch_size=6, per_device_batch_size=4).gradient_accumulation_steps()
+    with pytest.raises(PipelineError, match="max_steps: no entry for variant 'unseen'"):
+        SFTOptions.from_params({**SFT_PARAMS, "max_steps": {"seen": 3}}, "unseen")
+
+
+def _stage_project(root: Path, rows: list[dict], mirror: Path | None = None) -> None:
+    """A minimal project folder for `stages.sft`: params.yaml, the SFT set, a tiny base model if rows."""
+    params = {"profile": "t", "seed": 0, "profiles": {"t": {}},
+              "data": {"mirror_dir": str(mirror or "")}, "model": {"dtype": "float32"}, "sft": SFT_PARAMS}
+    (root / "params.yaml").write_text(yaml.safe_dump(params), encoding="utf-8")
+    write_jsonl(root / "data/sft/parallel_gsm8k.jsonl", rows)
+    if rows:
+        prepare_base_model("tiny", root / "models/base", tiny=TINY)
+
+
+def test_zero_row_sft_set_stops_with_one_line(tmp_path, monkeypatch, capsys):
+    from stages import sft as stage
+
+    _stage_project(tmp_path, [])
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PARALLEL_R1_TRACKING", "off")
+    with pytest.raises(SystemExit) as exit_info:
+        stage.main(["seen"])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err.strip()
+    assert err == "error: data/sft/parallel_gsm8k.jsonl: zero rows — the filter kept nothing"
+
+
+class _KillAfterFirstCheckpoint(TrainerCallback):
+    """Stops the run like a kill, right after the first checkpoint is written."""
+
+    def on_save(self, args, state, control, **kwargs):
+        raise KeyboardInterrupt("killed")
+
+
+@pytest.mark.slow
+def test_killed_unseen_run_resumes_and_saves_a_loadable_model(demos, tmp_path):
+    base = prepare_base_model("tiny", tmp_path / "base", tiny=TINY)
+    opts = options("unseen")
+    out, checkpoints = tmp_path / "sft_unseen", tmp_path / "checkpoints"
+    with pytest.raises(KeyboardInterrupt):
+        train_sft(opts, base, demos, out, checkpoints, callbacks=[_KillAfterFirstCheckpoint()])
+    assert not out.exists() and (checkpoints / "checkpoint-2").is_dir()
+
+    result = train_sft(opts, base, demos, out, checkpoints)
+    assert result.resumed_from == str(checkpoints / "checkpoint-2")
+    assert [entry["step"] for entry in result.loss_history] == [1, 2, 3, 4]
+    assert result.loss_history[-1]["loss"] < result.loss_history[0]["loss"]
+    assert result.examples == 8 and result.completion_tokens > 0
+    assert (out / "model.safetensors").is_file() and not checkpoints.exists()
+    model, tokenizer = load_model(out)
+    assert TagIds.from_tokenizer(tokenizer) == TagIds.from_tokenizer(load_tokenizer(base))
+    assert model.config.vocab_size == len(tokenizer)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["seen", "unseen"])
+def test_stage_writes_model_loss_curve_and_summary(variant, demos, mirror, tmp_path, monkeypatch):
+    from stages import sft as stage
+
+    _stage_project(tmp_path, demos, mirror)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PARALLEL_R1_TRACKING", "off")
+    stage.main([variant])
+    model, _ = load_model(tmp_path / f"models/sft_{variant}")
+    assert model.config.num_hidden_layers == TINY.num_hidden_layers
+    losses = read_json(tmp_path / f"metrics/sft/{variant}/loss.json")
+    assert [row["step"] for row in losses] == [1, 2, 3, 4]
+    assert set(losses[0]) == {"step", "loss", "lr", "grad_norm"}
+    summary = read_json(tmp_path / f"metrics/sft/{variant}/summary.json")
+    assert summary["steps"] == 4 and summary["examples"] == 8
+    assert summary["final_loss"] < summary["first_loss"]
+    probe = summary["probe"]
+    assert probe["questions"] == 2 and 0.0 <= probe["parallel_block_rate"] <= 1.0
+    assert len(probe["examples"]) == 2 and all(isinstance(e["response"], str) for e in probe["examples"])
+    assert json.dumps(summary)
+    assert not (tmp_path / f"checkpoints/sft_{variant}").exists()
