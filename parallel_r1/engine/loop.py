@@ -1,0 +1,223 @@
+"""The official Parallel-R1 rollout loop, as a per-rollout state machine advanced in rounds.
+
+Each rollout runs (zhengkid/Parallel-R1, parallel_thinking_loop_v3.py):
+  main   generate until `<Parallel>`, EOS or the cap;
+  paths  at `<Parallel>`, fork `num_paths` requests, each the shared context + `<Path>`, each
+         stopped at `</Path>` (EOS or the path budget: the engine closes it with `</Path>`);
+  summary append `</Parallel>`, a newline and `<Summary>`, generate the summary conditioned on
+         all paths until `</Summary>` (closed by the engine on EOS or budget); back to main.
+A round gathers the pending segments of *all* rollouts into one batched backend call, so paths
+of one block, and blocks of different rollouts, are generated side by side.
+
+Paths are separate requests from the same context: a path never sees its siblings and starts
+at pos(`<Parallel>`) + 1 — the multiverse layout — in every backend. What differs is the
+summary and later text: the transformers backend re-encodes the context with the structured
+mask when `config.structured` (exact Unseen), vLLM uses causal attention over it.
+
+Where we differ from the official loop, and why:
+  - after `max_blocks` blocks `<Parallel>` is banned instead of ending the response (the
+    official loop stops generating, cutting off the final answer);
+  - inserted tokens get env_mask 0 (the official response mask trains on them);
+  - the cap counts every token and is never exceeded: a block is forked only when each path
+    can get >= 1 sampled token and the summary its tags, else the response ends as truncated.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+from parallel_r1.engine.base import Backend, Rollout, RolloutConfig, SegmentRequest, SegmentResult
+from parallel_r1.errors import PipelineError
+from parallel_r1.structure import TagIds
+
+SUMMARY_SEPARATOR = "\n"  # official: `</Parallel>` "\n" `<Summary>`
+MAIN, PATHS, SUMMARY, DONE = "main", "paths", "summary", "done"
+
+
+@dataclass
+class _State:
+    """One rollout in progress."""
+
+    prompt_ids: tuple[int, ...]
+    completion: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    env_mask: list[int] = field(default_factory=list)
+    phase: str = MAIN
+    num_blocks: int = 0
+    path_budget: int = 0  # new tokens each path request may sample
+    summary_budget: int = 0
+    truncated: bool = False
+    finish_reason: str = "stop"
+
+    def sampled(self, tokens: Sequence[int], logprobs: Sequence[float]) -> None:
+        self.completion.extend(tokens)
+        self.logprobs.extend(logprobs)
+        self.env_mask.extend([1] * len(tokens))
+
+    def inserted(self, tokens: Iterable[int]) -> None:
+        tokens = list(tokens)
+        self.completion.extend(tokens)
+        self.logprobs.extend([0.0] * len(tokens))
+        self.env_mask.extend([0] * len(tokens))
+
+    def finish(self, reason: str) -> None:
+        self.phase, self.finish_reason, self.truncated = DONE, reason, reason == "length"
+
+
+def default_eos_ids(tokenizer, generation_eos: int | Sequence[int] | None = None) -> frozenset[int]:
+    """EOS ids as TRL's GRPOTrainer takes them: the tokenizer's plus the generation config's."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    ids.update([generation_eos] if isinstance(generation_eos, int) else (generation_eos or []))
+    if not ids:
+        raise PipelineError(f"tokenizer {getattr(tokenizer, 'name_or_path', '?')}: no EOS token to stop generation")
+    return frozenset(ids)
+
+
+class RolloutEngine:
+    """Samples (parallel) responses for token prompts through a `Backend`."""
+
+    def __init__(self, backend: Backend, tokenizer, config: RolloutConfig,
+                 eos_token_ids: Iterable[int] | None = None) -> None:
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.config = config
+        self.tags = TagIds.from_tokenizer(tokenizer)
+        self.eos_ids = frozenset(eos_token_ids) if eos_token_ids is not None else default_eos_ids(tokenizer)
+        hidden = set(self.eos_ids)
+        if tokenizer.pad_token_id is not None:
+            hidden.add(tokenizer.pad_token_id)
+        self._hidden_in_text = frozenset(hidden)
+        self.separator = tuple(tokenizer.encode(SUMMARY_SEPARATOR, add_special_tokens=False))
+        self._seeds = random.Random(config.seed)
+        # after the paths: `</Parallel>`, separator, `<Summary>`, and room for `</Summary>`
+        self._after_paths = 3 + len(self.separator)
+
+    # ------------------------------------------------------------------ public API
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], num_generations: int = 1) -> list[Rollout]:
+        """`num_generations` rollouts per prompt, grouped per prompt consecutively (TRL's order)."""
+        if num_generations < 1:
+            raise PipelineError(f"rollout engine: num_generations must be >= 1, got {num_generations}")
+        for index, ids in enumerate(prompt_ids):
+            if len(ids) == 0:
+                raise PipelineError(f"rollout engine: prompt {index} has no tokens")
+        states = [_State(tuple(int(t) for t in ids)) for ids in prompt_ids for _ in range(num_generations)]
+        while True:
+            pending = [(state, request) for state in states for request in self._requests(state)]
+            if not pending:
+                break
+            results = self.backend.continue_batch([request for _, request in pending])
+            if len(results) != len(pending):
+                raise PipelineError(f"rollout backend returned {len(results)} results for {len(pending)} requests")
+            grouped: dict[int, list[SegmentResult]] = {}
+            for (state, _), result in zip(pending, results):
+                grouped.setdefault(id(state), []).append(result)
+            for state in states:
+                if id(state) in grouped:
+                    self._advance(state, grouped[id(state)])
+        return [self._rollout(state) for state in states]
+
+    def sync_weights(self, model) -> None:
+        """Generate with `model`'s current weights from now on."""
+        self.backend.sync_weights(model)
+
+    def close(self) -> None:
+        self.backend.close()
+
+    # ------------------------------------------------------------------ the state machine
+
+    def _remaining(self, state: _State) -> int:
+        return self.config.max_tokens - len(state.completion)
+
+    def _request(self, state: _State, extra: Sequence[int], budget: int, stop: set[int],
+                 banned: frozenset[int] = frozenset()) -> SegmentRequest:
+        return SegmentRequest(
+            token_ids=state.prompt_ids + tuple(state.completion) + tuple(extra), max_new_tokens=budget,
+            stop_ids=frozenset(stop), banned_ids=banned, structured=self.config.structured,
+            temperature=self.config.temperature, top_p=self.config.top_p, seed=self._seeds.getrandbits(63))
+
+    def _requests(self, state: _State) -> list[SegmentRequest]:
+        if state.phase == MAIN:
+            stop, banned = set(self.eos_ids), frozenset()
+            if self.config.parallel:
+                if state.num_blocks < self.config.max_blocks:
+                    stop.add(self.tags.parallel_open)
+                else:
+                    banned = frozenset({self.tags.parallel_open})
+            return [self._request(state, (), self._remaining(state), stop, banned)]
+        if state.phase == PATHS:
+            stop = set(self.eos_ids) | {self.tags.path_close}
+            return [self._request(state, (self.tags.path_open,), state.path_budget, stop)
+                    for _ in range(self.config.num_paths)]
+        if state.phase == SUMMARY:
+            stop = set(self.eos_ids) | {self.tags.summary_close}
+            return [self._request(state, (), state.summary_budget, stop)]
+        return []
+
+    def _advance(self, state: _State, results: list[SegmentResult]) -> None:
+        if state.phase == MAIN:
+            self._after_main(state, results[0])
+        elif state.phase == PATHS:
+            self._after_paths_done(state, results)
+        elif state.phase == SUMMARY:
+            self._close_segment(state, results[0], self.tags.summary_close)
+            state.num_blocks += 1
+            self._resume(state)
+
+    def _after_main(self, state: _State, result: SegmentResult) -> None:
+        state.sampled(result.token_ids, result.logprobs)
+        forks = (self.config.parallel and result.stopped and result.token_ids
+                 and result.token_ids[-1] == self.tags.parallel_open)
+        if not forks:
+            state.finish("stop" if result.stopped else "length")
+            return
+        # Each path: `<Path>` + >= 1 sampled token + room for an inserted `</Path>`.
+        share = (self._remaining(state) - self._after_paths) // self.config.num_paths
+        if share < 3:
+            state.finish("length")  # the block cannot fit under the cap
+            return
+        state.path_budget, state.phase = share - 2, PATHS
+
+    def _after_paths_done(self, state: _State, results: list[SegmentResult]) -> None:
+        for result in results:
+            state.inserted((self.tags.path_open,))
+            self._close_segment(state, result, self.tags.path_close)
+        state.inserted((self.tags.parallel_close, *self.separator, self.tags.summary_open))
+        room = self._remaining(state) - 1  # keep one token for `</Summary>`
+        if room >= 1:
+            state.summary_budget, state.phase = room, SUMMARY
+            return
+        state.inserted((self.tags.summary_close,))
+        state.num_blocks += 1
+        self._resume(state)
+
+    def _close_segment(self, state: _State, result: SegmentResult, closing: int) -> None:
+        """Append a path or summary; a segment cut by EOS or its budget gets `closing` inserted.
+
+        A sampled EOS inside a path or summary is dropped and replaced by the closing tag, as the
+        official loop does (the response must not end inside a block).
+        """
+        tokens, logprobs = list(result.token_ids), list(result.logprobs)
+        if result.stopped and tokens and tokens[-1] == closing:
+            state.sampled(tokens, logprobs)
+            return
+        if result.stopped and tokens and tokens[-1] in self.eos_ids:
+            tokens, logprobs = tokens[:-1], logprobs[:-1]
+        state.sampled(tokens, logprobs)
+        state.inserted((closing,))
+
+    def _resume(self, state: _State) -> None:
+        if self._remaining(state) <= 0:
+            state.finish("length")
+        else:
+            state.phase = MAIN
+
+    def _rollout(self, state: _State) -> Rollout:
+        shown = [t for t in state.completion if t not in self._hidden_in_text]
+        return Rollout(
+            prompt_ids=list(state.prompt_ids), completion_ids=list(state.completion),
+            logprobs=list(state.logprobs), env_mask=list(state.env_mask),
+            text=self.tokenizer.decode(shown, skip_special_tokens=False),
+            truncated=state.truncated, num_blocks=state.num_blocks, finish_reason=state.finish_reason)

@@ -1,0 +1,102 @@
+"""TRL's `rollout_func` for GRPO: render the prompts, run the parallel rollout engine, return TRL's dict.
+
+TRL 1.16 calls `rollout_func(prompts, trainer)` with this process's slice of the generation
+batch. Its RepeatSampler has already repeated every prompt `num_generations` times, consecutively,
+and TRL pairs the returned rows with its inputs one to one (rewards, dataset columns), so the
+function returns exactly one rollout per prompt it receives — the copies of a prompt are its group.
+
+Returned keys: `prompt_ids`, `completion_ids`, `logprobs` (sampling log-probs; TRL uses them for
+its importance-sampling correction), `env_mask` (0 for the tags the engine inserted: TRL keeps
+them out of the loss), and extra columns TRL forwards to the reward functions:
+`completion_text` (tags kept — TRL's own decoding strips special tokens, so the rewards read
+this), `num_blocks`, `truncated`.
+
+Which engine (`engine_for_trainer`):
+  - "transformers": the trainer's live policy (`trainer.model`), no weight copy, exact
+    structured attention for Unseen. Not for DeepSpeed ZeRO-3 / FSDP (sharded parameters).
+  - "vllm": needs GRPOConfig(use_vllm=True). TRL creates the engine and pushes the weights
+    before every rollout: with vllm_mode="colocate" we use its `LLM` (keep
+    vllm_tensor_parallel_size=1: each process generates its own slice); with "server" every
+    process opens its own HTTP client to the `trl vllm-serve` address. Causal attention only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Literal, Sequence
+
+from parallel_r1.engine import RolloutConfig, RolloutEngine, transformers_engine
+from parallel_r1.errors import PipelineError
+from parallel_r1.prompts import PromptStyle, render_prompt
+
+EngineFactory = Callable[[Any], RolloutEngine]
+RolloutFunc = Callable[[list, Any], dict]
+PROCESS_SEED_STRIDE = 7919  # processes sample with different seed streams
+
+
+def render_prompt_ids(prompts: Sequence, tokenizer, style: PromptStyle = "parallel") -> list[list[int]]:
+    """Token ids of TRL prompts: a list of chat messages goes through the chat template as it is;
+    a string is a question, rendered with the paper's prompt in `style`."""
+    rendered = []
+    for index, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            text = render_prompt(tokenizer, prompt, style)
+        elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m for m in prompt):
+            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        else:
+            raise PipelineError(f"rollout prompt {index}: expected a question string or a list of chat messages, "
+                                f"got {type(prompt).__name__}")
+        rendered.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return rendered
+
+
+def engine_for_trainer(kind: Literal["transformers", "vllm"], tokenizer, config: RolloutConfig,
+                       **backend_options) -> EngineFactory:
+    """A factory building the rollout engine from the trainer on the first rollout (see module doc)."""
+    if kind not in ("transformers", "vllm"):
+        raise PipelineError(f"GRPO rollout engine: expected 'transformers' or 'vllm', got {kind!r}")
+
+    def factory(trainer) -> RolloutEngine:
+        accelerator = getattr(trainer, "accelerator", None)
+        rank = getattr(accelerator, "process_index", 0)
+        seeded = dataclasses.replace(config, seed=config.seed + PROCESS_SEED_STRIDE * rank)
+        if kind == "transformers":
+            return transformers_engine(trainer.model, tokenizer, seeded, **backend_options)
+        generation = getattr(trainer, "vllm_generation", None)
+        if generation is None:
+            raise PipelineError("GRPO rollout engine 'vllm': set use_vllm=True in the GRPO config (TRL creates "
+                                "the vLLM engine and keeps its weights in sync)")
+        if generation.mode == "colocate":
+            from parallel_r1.engine.vllm_backend import VLLMBackend
+
+            backend = VLLMBackend(llm=generation.llm)
+        else:
+            from parallel_r1.engine.vllm_server import VLLMServerBackend
+
+            url = generation.server_base_url or f"http://{generation.server_host}:{generation.server_port}"
+            backend = VLLMServerBackend.connect(url, connection_timeout=generation.server_timeout)
+        return RolloutEngine(backend, tokenizer, seeded, trainer.eos_token_ids)
+
+    return factory
+
+
+def make_rollout_func(engine_factory: EngineFactory, tokenizer, prompt_style: PromptStyle = "parallel") -> RolloutFunc:
+    """TRL `rollout_func(prompts, trainer)`: one rollout per received prompt (TRL already repeated
+    each prompt `trainer.num_generations` times); the engine is built on the first call."""
+    engines: list[RolloutEngine] = []
+
+    def rollout_func(prompts: list, trainer) -> dict[str, list]:
+        if not engines:
+            engines.append(engine_factory(trainer))
+        rollouts = engines[0].generate(render_prompt_ids(prompts, tokenizer, prompt_style), 1)
+        return {
+            "prompt_ids": [r.prompt_ids for r in rollouts],
+            "completion_ids": [r.completion_ids for r in rollouts],
+            "logprobs": [r.logprobs for r in rollouts],
+            "env_mask": [r.env_mask for r in rollouts],
+            "completion_text": [r.text for r in rollouts],
+            "num_blocks": [r.num_blocks for r in rollouts],
+            "truncated": [r.truncated for r in rollouts],
+        }
+
+    return rollout_func
