@@ -53,6 +53,8 @@ SOURCES: dict[str, Source] = {
     "math": Source("eval/math300.jsonl", None, None, "test", "math", "problem"),
     "math500": Source("eval/math500.jsonl", "HuggingFaceH4/MATH-500", None, "test", "math", "problem"),
 }
+# The released cold-start generations are outputs of this teacher (the mirror's README).
+TEACHER_DEMOS_MODEL = "deepseek-ai/DeepSeek-R1-0528-Qwen3-8B"
 TEACHER_DEMOS = Source("teacher_demos_gsm8k.jsonl", "Parallel-R1/Parallel-GSM8K", None, "train", "gsm8k")
 
 

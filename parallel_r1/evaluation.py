@@ -186,3 +186,20 @@ def summarize(
         "checker": checker,
         "position_unit": "tokens" if tokenizer is not None else "characters",
     }
+
+
+def generate_samples(engine, tokenizer, problems: Sequence[Mapping[str, Any]], k: int,
+                     prompt_style: str = "parallel") -> list[Sample]:
+    """k responses per problem from a rollout engine, with the same prompt as training."""
+    from parallel_r1.prompts import render_prompt
+
+    prompt_ids = [tokenizer(render_prompt(tokenizer, p["question"], prompt_style), add_special_tokens=False)["input_ids"]
+                  for p in problems]
+    rollouts = engine.generate(prompt_ids, k)
+    return [
+        Sample(problem_id=str(problem["id"]), sample_index=index, response=rollout.text,
+               ground_truth=str(problem["ground_truth"]), answer_kind=problem["answer_kind"],
+               completion_tokens=len(rollout.completion_ids), truncated=rollout.truncated)
+        for position, problem in enumerate(problems)
+        for index, rollout in enumerate(rollouts[position * k:(position + 1) * k])
+    ]

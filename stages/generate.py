@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from parallel_r1.data import TEACHER_DEMOS, load_problems, load_teacher_demos
+from parallel_r1.data import TEACHER_DEMOS, TEACHER_DEMOS_MODEL, load_problems, load_teacher_demos
 from parallel_r1.errors import PipelineError
 from parallel_r1.io import read_jsonl, write_jsonl
 from parallel_r1.models import load_tokenizer, resolve_model_source
@@ -32,7 +32,7 @@ CHUNK = 256                  # prompts per engine call: the unit of progress and
 
 
 def released_rows(mirror, limit, tokenizer) -> list[dict]:
-    source = f"released generations ({TEACHER_DEMOS.mirror_file} / {TEACHER_DEMOS.hub_id})"
+    source = f"{TEACHER_DEMOS_MODEL} ({TEACHER_DEMOS.mirror_file} / {TEACHER_DEMOS.hub_id})"
     rows = []
     for demo in load_teacher_demos(mirror, limit):
         tokens = len(tokenizer(demo["completion"], add_special_tokens=False)["input_ids"])

@@ -13,6 +13,7 @@ Each report reads only its own inputs, so DVC gives each its own deps:
     ablation_reward    (same)                                   -> reports/ablation_reward.md
     figure3            metrics/rl/<run>/steps.json              -> reports/figure3_parallel_position.png
     figure4            metrics/curves/scaffold.json             -> reports/figure4_scaffold.png
+    reward_schedules   the RL runs in MLflow                    -> reports/reward_schedules.md + .png
 
 Benchmarks are aime25, aime24, amc23 and math. params.yaml keys read: `profile`, and the
 optional section `reports` (defaults in `parallel_r1.reports.ReportOptions`):
@@ -47,6 +48,7 @@ OUTPUTS = {
     "ablation_reward": REPORTS / "ablation_reward.md",
     "figure3": REPORTS / "figure3_parallel_position.png",
     "figure4": REPORTS / "figure4_scaffold.png",
+    "reward_schedules": REPORTS / "reward_schedules.md",
 }
 ABLATIONS = {
     "ablation_training": (reports.ablation_training, "ablation_training_rows"),
@@ -80,8 +82,12 @@ def build(report: str, params: dict) -> Path:
     elif report == "figure3":
         steps = {run: read_json(METRICS / "rl" / run / "steps.json") for run in options.figure3_runs}
         reports.figure3_parallel_position(steps, out, profile=profile)
-    else:
+    elif report == "figure4":
         reports.figure4_scaffold(read_json(METRICS / "curves" / "scaffold.json"), out, profile=profile)
+    else:
+        from parallel_r1.reward_schedule_report import build_report
+
+        build_report(out, out.with_suffix(".png"), params=params)
     return out
 
 

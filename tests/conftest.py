@@ -16,3 +16,43 @@ def mirror() -> Path:
     if not (MIRROR / "gsm8k" / "train.jsonl").is_file():
         pytest.skip(f"data mirror not found at {MIRROR}")
     return MIRROR
+
+
+def copy_repo(destination: Path, mirror_dir: Path | None = None) -> Path:
+    """A runnable copy of this checkout (tracked + untracked-not-ignored files) as a fresh git repo.
+
+    DVC needs a git work tree, so the copy is committed once; `data.mirror_dir` is pointed
+    at the absolute mirror path because the copy does not sit beside `shared/`.
+    """
+    import shutil
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                           cwd=REPO, check=True, capture_output=True, text=True).stdout.split("\0")
+    for name in filter(None, files):
+        source = REPO / name
+        if source.is_file():
+            target = destination / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+    if mirror_dir is not None:
+        params = destination / "params.yaml"
+        params.write_text(params.read_text().replace("mirror_dir: ../shared/data", f"mirror_dir: {mirror_dir}"))
+    git = ["git", "-c", "user.name=test", "-c", "user.email=test@localhost"]
+    subprocess.run(["git", "init", "-q"], cwd=destination, check=True)
+    subprocess.run(["git", "add", "-A"], cwd=destination, check=True)
+    subprocess.run([*git, "commit", "-qm", "copy"], cwd=destination, check=True)
+    return destination
+
+
+def set_param(params_file: Path, dotted: str, value: str) -> None:
+    """Set one params.yaml value in place (text edit keeps the comments DVC users rely on)."""
+    import yaml
+
+    data = yaml.safe_load(params_file.read_text())
+    node = data
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[leaf] = yaml.safe_load(value)
+    params_file.write_text(yaml.safe_dump(data, sort_keys=False))

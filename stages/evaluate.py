@@ -1,0 +1,121 @@
+"""Stage `evaluate@<model>`: every benchmark for one model, with the training rollout engine.
+
+    dvc repro evaluate@parallel_r1_seen
+    python -m stages.evaluate parallel_r1_seen
+    python -m stages.evaluate --curve scaffold       # Figure 4: the scaffold run's snapshots
+
+Per benchmark of `evaluate.benchmarks`: k samples per problem at temperature 1.0 with the
+model's training prompt and rollout mode (parallel forking, structured attention for the
+Unseen variant), scored by the training reward's answer checker. Writes
+metrics/eval/<model>/<benchmark>.json and the samples to data/samples/<model>/<benchmark>.jsonl.
+One process (one engine start) serves all benchmarks of a model: with vLLM a start costs
+minutes on a GPU node and ~70 s on a CPU, so a process per (model, benchmark) would
+multiply that by the number of benchmarks.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from parallel_r1.engine import RolloutConfig, make_engine
+from parallel_r1.errors import PipelineError
+from parallel_r1.evaluation import generate_samples, sample_to_row, summarize
+from parallel_r1.io import read_jsonl, write_json, write_jsonl
+from parallel_r1.models import check_model_dir, load_tokenizer
+from stages.common import load_params, section, stage_main
+
+PROBLEM_FIELDS = ("id", "question", "ground_truth", "answer_kind")
+
+
+def rollout_mode(model: str, params: dict) -> tuple[str, bool, bool]:
+    """(prompt style, structured attention, parallel forking) the model was trained with."""
+    runs = params.get("rl_runs", {})
+    if model in runs:
+        run = runs[model]
+        return run.get("prompt", "parallel"), run.get("variant") == "unseen", bool(run.get("parallel", True))
+    if model in ("base", "sft_seen", "sft_unseen"):
+        return "parallel", model == "sft_unseen", True
+    raise PipelineError(f"evaluate: unknown model {model!r} (base, sft_seen, sft_unseen or a key of rl_runs)")
+
+
+def evaluate_folder(model: str, folder: Path, benchmarks: dict[str, int], params: dict) -> dict[str, tuple]:
+    """{benchmark: (metrics, sample rows)} for the checkpoint in `folder`."""
+    settings = section(params, "evaluate")
+    prompt, structured, parallel = rollout_mode(model, params)
+    problems = {name: read_jsonl(f"data/eval/{name}.jsonl", required=PROBLEM_FIELDS) for name in benchmarks}
+    check_model_dir(folder)
+    tokenizer = load_tokenizer(folder)
+    rl = params.get("rl", {})
+    config = RolloutConfig(parallel=parallel, structured=structured, temperature=float(settings["temperature"]),
+                           top_p=float(settings["top_p"]), max_tokens=int(settings["max_tokens"]),
+                           num_paths=int(rl.get("num_paths", 2)), max_blocks=int(rl.get("max_blocks", 4)),
+                           seed=int(params.get("seed", 0)))
+    engine = make_engine(settings.get("engine", "auto"), folder, tokenizer, config,
+                         gpu_memory_utilization=settings.get("gpu_memory_utilization"),
+                         enforce_eager=settings.get("enforce_eager"))
+    checker = settings.get("checker", "paper")
+    results = {}
+    try:
+        for name, k in benchmarks.items():
+            samples = generate_samples(engine, tokenizer, problems[name], k, prompt)
+            metrics = summarize(samples, k, model=model, benchmark=name, profile=params["profile"],
+                                checker=checker, tokenizer=tokenizer)
+            rows = [sample_to_row(s, checker, tokenizer) for s in samples]
+            results[name] = (metrics, rows)
+            print(f"{model} {name}: mean@{k} {metrics['mean_at_k']:.3f}, pass@{k} {metrics['pass_at_k']:.3f}, "
+                  f"parallel {metrics['parallel_ratio']:.2f}, truncated {metrics['truncated']}/{metrics['n_samples']}")
+    finally:
+        engine.close()
+    return results
+
+
+def benchmark_ks(params: dict) -> dict[str, int]:
+    ks = {}
+    for name, spec in section(params, "evaluate", "benchmarks").items():
+        k = spec.get("k") if isinstance(spec, dict) else None
+        if not isinstance(k, int) or k < 1:
+            raise PipelineError(f"params.yaml evaluate.benchmarks.{name}.k: must be an integer >= 1, got {k!r}")
+        ks[name] = k
+    return ks
+
+
+def evaluate_model(model: str, params: dict) -> None:
+    for name, (metrics, rows) in evaluate_folder(model, Path("models") / model, benchmark_ks(params), params).items():
+        write_json(f"metrics/eval/{model}/{name}.json", metrics)
+        write_jsonl(f"data/samples/{model}/{name}.jsonl", rows)
+
+
+def evaluate_curve(run: str, params: dict) -> None:
+    """Figure 4: one benchmark over the run's step snapshots (models/<run>/steps/step-<n>)."""
+    curve = section(params, "evaluate", "scaffold_curve")
+    benchmark = curve.get("benchmark", "aime25")
+    k = benchmark_ks(params)[benchmark]
+    snapshots = sorted((Path("models") / run / "steps").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    if not snapshots:
+        raise PipelineError(f"models/{run}/steps: no step snapshots to evaluate (did rl@{run} export them?)")
+    points = []
+    for folder in snapshots:
+        metrics, _ = evaluate_folder(run, folder, {benchmark: k}, params)[benchmark]
+        points.append({"step": int(folder.name.split("-")[1]), "mean_at_k": metrics["mean_at_k"],
+                       "pass_at_k": metrics["pass_at_k"], "parallel_ratio": metrics["parallel_ratio"]})
+    write_json(f"metrics/curves/{run}.json", {"benchmark": benchmark, "k": k, "profile": params["profile"],
+                                              "switch_step": section(params, "rewards", "switch_step"),
+                                              "points": points})
+
+
+@stage_main
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", help="model folder name under models/ (or the run with --curve)")
+    parser.add_argument("--curve", action="store_true", help="evaluate the run's step snapshots (Figure 4)")
+    args = parser.parse_args(argv)
+    params = load_params()
+    if args.curve:
+        evaluate_curve(args.model, params)
+    else:
+        evaluate_model(args.model, params)
+
+
+if __name__ == "__main__":
+    main()
