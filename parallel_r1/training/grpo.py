@@ -1,0 +1,427 @@
+"""GRPO with parallel rollouts (PAPER.md stages 4-7) on TRL's GRPOTrainer.
+
+One RL configuration = an init model, a prompt set, a reward schedule, a variant and a prompt
+style (params.yaml `rl_runs`). Per optimizer step GRPO samples `batch_size` prompts x
+`num_generations` rollouts through the project's rollout engine (TRL's `rollout_func`: the
+official fork at `<Parallel>`, or one plain sequence for the GRPO baselines), scores them with
+`rewards.build_reward(name)` (schedules read `trainer_state.global_step`), normalises the
+rewards per prompt group and makes ONE clipped policy-gradient update (no KL, no warm-up).
+
+Seen recomputes log-probs with causal attention (the stock trainer). Unseen recomputes them
+with the path-window mask and multiverse positions (`ParallelGRPOTrainer`), so a path's tokens
+are scored under the context they were sampled from. TRL concatenates a left-padded prompt and
+a right-padded completion; `structure.build_structure` accepts padding anywhere.
+
+Every step logs to the Trainer's `report_to` (MLflow through `parallel_r1.tracking`): reward,
+accuracy, parallel ratio, token-level relative position of the first `<Parallel>` (Figure 3),
+response length, blocks per response, rollout tokens/s; `step_records` turns the log history
+into `metrics/rl/<run>/steps.json`. Checkpoints every `save_steps` let a killed run resume; the
+scaffold run also exports a model snapshot every `snapshot_every` steps (Figure 4).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Literal, Mapping, Sequence
+
+import torch
+
+from parallel_r1.config import from_mapping
+from parallel_r1.engine import RolloutConfig
+from parallel_r1.errors import PipelineError
+from parallel_r1.io import atomic_path
+from parallel_r1.models import check_model_dir, load_model
+from parallel_r1.prompts import chat_messages, render_prompt
+from parallel_r1.rewards import RewardConfig, build_reward
+from parallel_r1.training.grpo_trainer import (ParallelGRPOTrainer, RolloutStats, SnapshotCallback, save_policy,
+                                               step_records)
+from parallel_r1.training.rollout import engine_for_trainer, make_rollout_func
+
+Variant = Literal["seen", "unseen"]
+EngineKind = Literal["auto", "vllm", "transformers"]
+RUN_RECORD = "run.json"  # what the checkpoints in a checkpoint folder were trained from
+SNAPSHOTS = "snapshots"  # scaffold snapshots, staged beside the checkpoints, moved to <model>/steps/
+RUN_KEYS = ("init", "dataset", "reward", "variant", "prompt", "parallel", "epsilon_high", "snapshots")
+DATASET_KEYS = ("batch_size", "num_generations", "max_steps")
+# Not part of a run's identity: changing them continues the same run from its last checkpoint.
+RESUMABLE_FIELDS = ("max_steps", "save_steps")
+
+
+@dataclass(frozen=True)
+class RLOptions:
+    """One GRPO run: params.yaml `rl` + `rl.datasets.<dataset>` + `rl_runs.<run>`.
+
+    Run (rl_runs.<run>):
+        run: the configuration's name (= its output model folder `models/<run>`).
+        init: model folder name the policy starts from (`models/<init>`).
+        dataset: RL prompt set `data/rl/<dataset>.jsonl` (gsm8k | dapo).
+        reward: schedule name in `rewards.REWARDS` (accuracy, parallel_times_accuracy, alternating, ...).
+        variant: "seen" (causal log-probs) or "unseen" (path-window mask + multiverse positions).
+        prompt: "parallel" (Parallel Thinking prompt) or "baseline".
+        parallel: fork at `<Parallel>` during rollouts; False = plain sampling (GRPO baselines).
+        epsilon_high: upper clip (DAPO clip-higher; S2 and scaffold use 0.28), else = epsilon.
+        snapshots: export a model every `snapshot_every` steps (the stage passes
+            evaluate.scaffold_curve.every) to `models/<run>/steps/step-<n>/`.
+    Batch shape (rl.datasets.<dataset>):
+        batch_size: prompts per optimizer step (B); num_generations: rollouts per prompt (G);
+        max_steps: optimizer updates. One step = B x G rollouts -> one update.
+    Optimisation (rl): lr with `lr_scheduler` and `warmup_ratio` (1e-6, constant, none); beta: KL
+        weight (0 = no reference model); epsilon: lower clip (0.2).
+    Rollouts (rl): temperature, top_p; max_prompt_tokens (longer prompts are dropped from the set,
+        as VERL's filter_overlong_prompts does); max_completion_tokens (the whole response: main
+        text, every path, summaries); num_paths per block; max_blocks per response; engine:
+        "transformers" decodes with the live policy (exact structured attention, no weight sync),
+        "vllm" uses TRL's own vLLM (`vllm_mode` colocate: the LLM TRL creates and keeps in sync;
+        server: `trl vllm-serve` at `vllm_server_base_url`; vllm_gpu_memory_utilization is vLLM's share
+        of each GPU in colocate mode), "auto" = vllm when CUDA and vLLM are there, else transformers.
+    Compute: per_device_batch_size completions per forward/backward micro-batch;
+        gradient_checkpointing; save_steps: checkpoint interval; seed (params.yaml `seed`).
+    """
+
+    run: str
+    init: str
+    dataset: str
+    reward: str
+    variant: Variant
+    prompt: Literal["parallel", "baseline"]
+    parallel: bool
+    batch_size: int = field(metadata={"min": 1})
+    num_generations: int = field(metadata={"min": 2})
+    max_steps: int = field(metadata={"min": 1})
+    lr: float = field(default=1.0e-6, metadata={"min": 0})
+    lr_scheduler: str = "constant"
+    warmup_ratio: float = field(default=0.0, metadata={"min": 0})
+    beta: float = field(default=0.0, metadata={"min": 0})
+    epsilon: float = field(default=0.2, metadata={"min": 0})
+    epsilon_high: float | None = field(default=None, metadata={"min": 0})
+    temperature: float = field(default=1.0, metadata={"min": 0})
+    top_p: float = field(default=1.0, metadata={"min": 0})
+    max_prompt_tokens: int = field(default=2000, metadata={"min": 1})
+    max_completion_tokens: int = field(default=3000, metadata={"min": 1})
+    num_paths: int = field(default=2, metadata={"min": 2})
+    max_blocks: int = field(default=4, metadata={"min": 0})
+    engine: EngineKind = "auto"
+    vllm_mode: Literal["colocate", "server"] = "colocate"
+    vllm_server_base_url: str | None = None
+    vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"min": 0})
+    per_device_batch_size: int = field(default=8, metadata={"min": 1})
+    save_steps: int = field(default=25, metadata={"min": 1})
+    gradient_checkpointing: bool = True
+    snapshots: bool = False
+    snapshot_every: int = field(default=25, metadata={"min": 1})
+    seed: int = 0
+
+    @classmethod
+    def from_sections(cls, run: str, rl: Mapping[str, Any], run_entry: Mapping[str, Any], *, seed: int = 0,
+                      snapshot_every: int | None = None) -> RLOptions:
+        """Merge the `rl` section, its `datasets.<dataset>` entry and the run's `rl_runs` entry."""
+        if not isinstance(run_entry, Mapping):
+            raise PipelineError(f"params.yaml rl_runs.{run}: expected a mapping, got {run_entry!r}")
+        unknown = sorted(set(run_entry) - set(RUN_KEYS))
+        if unknown:
+            raise PipelineError(f"params.yaml rl_runs.{run}: unknown key {unknown[0]!r} (known: {', '.join(RUN_KEYS)})")
+        dataset = run_entry.get("dataset")
+        datasets = dict(rl or {}).get("datasets") or {}
+        if dataset not in datasets:
+            raise PipelineError(f"params.yaml rl_runs.{run}.dataset: {dataset!r} has no entry in rl.datasets "
+                                f"(known: {', '.join(datasets) or 'none'})")
+        shape = datasets[dataset] or {}
+        unknown = sorted(set(shape) - set(DATASET_KEYS))
+        if unknown:
+            raise PipelineError(f"params.yaml rl.datasets.{dataset}: unknown key {unknown[0]!r} "
+                                f"(known: {', '.join(DATASET_KEYS)})")
+        shared = {k: v for k, v in dict(rl or {}).items() if k != "datasets"}
+        values = {**shared, **shape, **run_entry, "run": run, "seed": seed}
+        if snapshot_every is not None:
+            values["snapshot_every"] = snapshot_every
+        options = from_mapping(cls, values, f"params.yaml rl_runs.{run} (with rl, rl.datasets.{dataset})")
+        build_reward(options.reward)  # an unknown schedule fails here, before any model is loaded
+        return options
+
+    @property
+    def structured(self) -> bool:
+        return self.variant == "unseen"
+
+    def resolved_engine(self) -> str:
+        """"vllm" or "transformers": auto means vLLM only where TRL can sync its weights (CUDA)."""
+        if self.engine != "auto":
+            return self.engine
+        from parallel_r1.engine import vllm_available
+
+        return "vllm" if torch.cuda.is_available() and vllm_available() else "transformers"
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """How "B prompts x G rollouts, one update per step" maps onto GRPOConfig.
+
+    TRL 1.16 generates `generation_batch_size` = per_device_train_batch_size x processes x
+    steps_per_generation completions at once, splits them into `steps_per_generation` micro-batches
+    of per_device_train_batch_size per process, and steps the optimizer every
+    gradient_accumulation_steps micro-batches. With steps_per_generation = gradient_accumulation_steps
+    and num_iterations = 1, one generation (B x G completions: B prompts, each repeated G times by
+    TRL's sampler) feeds exactly one optimizer update, as VERL does with ppo_mini_batch = train batch
+    and one PPO epoch (the ratio is then 1 at the update, so the clip only bounds the gradient of a
+    second update that never happens -- on-policy GRPO, like the official runs).
+    """
+
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    steps_per_generation: int
+    generation_batch_size: int
+
+
+def batch_layout(options: RLOptions, processes: int = 1) -> BatchLayout:
+    """The GRPOConfig batch fields for `options` on `processes` data-parallel processes."""
+    completions = options.batch_size * options.num_generations
+    if completions % processes:
+        raise PipelineError(f"params.yaml rl.datasets.{options.dataset}: batch_size x num_generations = {completions} "
+                            f"completions do not split over {processes} processes")
+    per_process = completions // processes
+    micro = min(options.per_device_batch_size, per_process)  # a micro-batch cannot exceed a process's share
+    if per_process % micro:
+        raise PipelineError(f"params.yaml rl.per_device_batch_size: {micro} does not divide the {per_process} "
+                            f"completions each of {processes} process(es) gets per step")
+    accumulation = per_process // micro
+    return BatchLayout(micro, accumulation, accumulation, completions)
+
+
+def grpo_config(options: RLOptions, output_dir: str | os.PathLike, report_to: str | list[str] = "none",
+                processes: int = 1, bf16: bool = False):
+    """TRL GRPOConfig for `options`.
+
+    loss_type "dapo": the clipped per-token losses are summed over every completion token of the
+    step and divided by that token count (all processes, all micro-batches) -- VERL's
+    `loss_agg_mode: token-mean`, which the official runs use. TRL's "grpo" would first average each
+    sequence (long responses weigh less per token), "bnpo" averages per micro-batch only, and
+    "dr_grpo" divides by a fixed max length. Advantages are normalised by the group std
+    (`scale_rewards="group"`), as VERL's GRPO estimator does.
+    """
+    from transformers.trainer_utils import SchedulerType
+    from trl import GRPOConfig
+
+    if options.lr_scheduler not in {s.value for s in SchedulerType}:
+        raise PipelineError(f"params.yaml rl.lr_scheduler: unknown scheduler {options.lr_scheduler!r} "
+                            "(e.g. constant, cosine, linear)")
+    layout = batch_layout(options, processes)
+    engine = options.resolved_engine()
+    vllm = {}
+    if engine == "vllm":
+        vllm = dict(use_vllm=True, vllm_mode=options.vllm_mode,
+                    vllm_gpu_memory_utilization=options.vllm_gpu_memory_utilization,
+                    vllm_max_model_length=options.max_prompt_tokens + options.max_completion_tokens)
+        if options.vllm_mode == "server":
+            if not options.vllm_server_base_url:
+                raise PipelineError("params.yaml rl.vllm_server_base_url: required with vllm_mode server "
+                                    "(the address of `trl vllm-serve`)")
+            vllm["vllm_server_base_url"] = options.vllm_server_base_url
+    return GRPOConfig(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=layout.per_device_train_batch_size,
+        gradient_accumulation_steps=layout.gradient_accumulation_steps,
+        steps_per_generation=layout.steps_per_generation,
+        num_generations=options.num_generations,
+        num_iterations=1,
+        max_steps=options.max_steps,
+        learning_rate=options.lr,
+        lr_scheduler_type=options.lr_scheduler,
+        warmup_steps=options.warmup_ratio,  # a float < 1 is a share of max_steps
+        beta=options.beta,
+        epsilon=options.epsilon,
+        epsilon_high=options.epsilon_high,
+        loss_type="dapo",
+        scale_rewards="group",
+        temperature=options.temperature,
+        top_p=options.top_p,
+        max_completion_length=options.max_completion_tokens,
+        gradient_checkpointing=options.gradient_checkpointing,
+        bf16=bf16,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=options.save_steps,
+        save_total_limit=1,
+        seed=options.seed,
+        data_seed=options.seed,
+        report_to=report_to,
+        **vllm,
+    )
+
+
+# ---------------------------------------------------------------- prompts
+
+
+def rl_dataset(rows: Sequence[Mapping[str, Any]], tokenizer, style: str, max_prompt_tokens: int,
+               where: str = "RL prompts"):
+    """TRL conversational dataset: `prompt` (one user message) + `ground_truth`, `answer_kind`, `id`.
+
+    Prompts longer than `max_prompt_tokens` once rendered are dropped. Returns (dataset, dropped).
+    """
+    from datasets import Dataset
+
+    columns: dict[str, list] = {"prompt": [], "ground_truth": [], "answer_kind": [], "id": []}
+    dropped = 0
+    for index, row in enumerate(rows, start=1):
+        for name in ("question", "ground_truth", "answer_kind"):
+            if not isinstance(row.get(name), str) or not row[name].strip():
+                raise PipelineError(f"{where} row {index} (id {row.get('id', '?')}): field {name} must be a "
+                                    "non-empty string")
+        length = len(tokenizer(render_prompt(tokenizer, row["question"], style), add_special_tokens=False)["input_ids"])
+        if length > max_prompt_tokens:
+            dropped += 1
+            continue
+        columns["prompt"].append(chat_messages(row["question"], style))
+        columns["ground_truth"].append(row["ground_truth"])
+        columns["answer_kind"].append(row["answer_kind"])
+        columns["id"].append(str(row.get("id", index)))
+    if not columns["prompt"]:
+        raise PipelineError(f"{where}: no prompt fits rl.max_prompt_tokens = {max_prompt_tokens} "
+                            f"({dropped} of {len(rows)} too long)")
+    return Dataset.from_dict(columns), dropped
+
+
+# ---------------------------------------------------------------- checkpoints and outputs
+
+
+def _fingerprint(options: RLOptions, dataset, init_dir: Path, reward_config: RewardConfig) -> dict:
+    """What a run's checkpoints depend on: options (but max_steps/save_steps), data, init model, rewards.
+
+    Returned as JSON reads it back (lists, not tuples), so it compares equal to the stored record.
+    """
+    data = hashlib.sha256(json.dumps(dataset.to_dict(), sort_keys=True).encode()).hexdigest()
+    init = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in init_dir.iterdir() if p.is_file())
+    training = {k: v for k, v in asdict(options).items() if k not in RESUMABLE_FIELDS}
+    return json.loads(json.dumps({"options": training, "rewards": asdict(reward_config), "data_sha256": data,
+                                  "init_model": [str(init_dir.resolve()), init]}))
+
+
+def _resume_point(checkpoint_dir: Path, fingerprint: dict, state) -> str | None:
+    """The last checkpoint of a run with the same fingerprint; else clear the folder for a fresh run."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    record = checkpoint_dir / RUN_RECORD
+    same_run = record.is_file() and json.loads(record.read_text(encoding="utf-8")) == fingerprint
+    last = get_last_checkpoint(str(checkpoint_dir)) if same_run else None
+    state.wait_for_everyone()
+    if not same_run and state.is_main_process:
+        shutil.rmtree(checkpoint_dir, ignore_errors=True)
+        checkpoint_dir.mkdir(parents=True)
+        record.write_text(json.dumps(fingerprint), encoding="utf-8")
+    state.wait_for_everyone()
+    return last
+
+
+@dataclass
+class RLResult:
+    """A finished run: where the model went, its per-step records and what this process measured."""
+
+    model_dir: Path
+    steps: int
+    steps_this_run: int
+    history: list[dict]
+    resumed_from: str | None
+    train_seconds: float
+    rollout: RolloutStats
+    engine: str
+    prompts: int
+    dropped_prompts: int
+    snapshots: list[str]
+    is_main_process: bool
+
+
+def _publish(staging: Path, out_dir: Path, snapshots: Path | None) -> list[str]:
+    """Move the saved model (and the scaffold snapshots, under steps/) into `out_dir` atomically."""
+    with atomic_path(out_dir, is_dir=True) as tmp:
+        for item in staging.iterdir():
+            shutil.move(str(item), tmp / item.name)
+        names = []
+        if snapshots is not None and snapshots.is_dir():
+            done = sorted((p for p in snapshots.iterdir() if p.name.startswith("step-")),
+                          key=lambda p: int(p.name.split("-")[1]))
+            if done:
+                (tmp / "steps").mkdir()
+                for snapshot in done:
+                    shutil.move(str(snapshot), tmp / "steps" / snapshot.name)
+                    names.append(snapshot.name)
+    return names
+
+
+# ---------------------------------------------------------------- one run
+
+
+def train_rl(options: RLOptions, init_dir: str | os.PathLike, rows: Sequence[Mapping[str, Any]],
+             out_dir: str | os.PathLike, checkpoint_dir: str | os.PathLike, *,
+             reward_config: RewardConfig | None = None, dtype: str = "float32",
+             report_to: str | list[str] = "none", where: str = "RL prompts", callbacks: Iterable = (),
+             engine_options: Mapping[str, Any] | None = None) -> RLResult:
+    """GRPO from the model in `init_dir` on problem `rows`; the trained policy goes to `out_dir`.
+
+    Weights stay float32 (the optimizer's master copy); on a GPU with `dtype` bfloat16 the
+    forward/backward run under bf16 autocast. A run with the same fingerprint as the checkpoints in
+    `checkpoint_dir` resumes from the last one (a larger max_steps continues it); the folder is
+    removed once the model is in place. `engine_options` go to the rollout backend (transformers:
+    max_batch_size, logits_processor).
+    """
+    from accelerate import PartialState
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is TRL-experimental, knowingly used
+    state = PartialState()
+    init_dir, out_dir, checkpoint_dir = Path(init_dir), Path(out_dir), Path(checkpoint_dir)
+    check_model_dir(init_dir)
+    reward_config = reward_config or RewardConfig()
+    model, tokenizer = load_model(init_dir, "float32", attn_implementation="sdpa")
+    dataset, dropped = rl_dataset(rows, tokenizer, options.prompt, options.max_prompt_tokens, where)
+    resumed_from = _resume_point(checkpoint_dir, _fingerprint(options, dataset, init_dir, reward_config), state)
+    engine = options.resolved_engine()
+    config = grpo_config(options, checkpoint_dir, report_to, processes=state.num_processes,
+                         bf16=torch.cuda.is_available() and dtype == "bfloat16")
+    snapshot_dir = checkpoint_dir / SNAPSHOTS if options.snapshots else None
+    snapshotter = SnapshotCallback(snapshot_dir, options.snapshot_every) if snapshot_dir else None
+    first_step = _checkpoint_step(resumed_from)
+    trainer = ParallelGRPOTrainer(
+        model=model, reward_funcs=[build_reward(options.reward, reward_config)], args=config,
+        train_dataset=dataset, processing_class=tokenizer, structured=options.structured,
+        rollout_func=rollout_function_for(options, engine, tokenizer, first_step, **(engine_options or {})),
+        callbacks=[*([snapshotter] if snapshotter else []), *callbacks])
+    if snapshotter:
+        snapshotter.trainer = trainer
+    started = time.perf_counter()
+    trainer.train(resume_from_checkpoint=resumed_from)
+    train_seconds = time.perf_counter() - started
+
+    staging = checkpoint_dir / "final"
+    save_policy(trainer, staging)
+    state.wait_for_everyone()
+    snapshots: list[str] = []
+    if state.is_main_process:
+        snapshots = _publish(staging, out_dir, snapshot_dir)
+        shutil.rmtree(checkpoint_dir, ignore_errors=True)
+    state.wait_for_everyone()
+    return RLResult(
+        model_dir=out_dir, steps=trainer.state.global_step, steps_this_run=trainer.state.global_step - first_step,
+        history=step_records(trainer.state.log_history, options.reward, reward_config), resumed_from=resumed_from,
+        train_seconds=train_seconds, rollout=trainer.rollout_stats, engine=engine, prompts=len(dataset),
+        dropped_prompts=dropped, snapshots=snapshots, is_main_process=state.is_main_process)
+
+
+def rollout_function_for(options: RLOptions, engine: str, tokenizer, first_step: int = 0, **backend_options):
+    """TRL rollout_func sampling with the run's fork settings (parallel or plain, Seen or Unseen).
+
+    The engine's sampler seeds follow `seed` and the step the run starts from, so a resumed run
+    draws fresh random streams instead of replaying those of its first steps.
+    """
+    config = RolloutConfig(parallel=options.parallel, num_paths=options.num_paths, max_blocks=options.max_blocks,
+                           max_tokens=options.max_completion_tokens, temperature=options.temperature,
+                           top_p=options.top_p, structured=options.structured,
+                           seed=options.seed + 1_000_003 * first_step)
+    factory = engine_for_trainer(engine, tokenizer, config, **backend_options)
+    return make_rollout_func(factory, tokenizer, options.prompt)
+
+
+def _checkpoint_step(checkpoint: str | None) -> int:
+    return int(Path(checkpoint).name.rsplit("-", 1)[1]) if checkpoint else 0

@@ -1,0 +1,157 @@
+"""The GRPO trainer of the parallel runs: structured log-probs for Unseen, parallel metrics per step.
+
+`ParallelGRPOTrainer` is TRL's GRPOTrainer with two additions:
+  - Unseen (`structured=True`): every per-token log-prob TRL computes (policy; old policy and
+    reference when TRL needs them) runs inside `structure.structured_forward`, so TRL's forward gets
+    the path-window mask and multiverse position ids built from the concatenated, padded
+    prompt + completion, instead of the 2D padding mask. Seen is the stock causal computation.
+  - Each rollout batch is timed and measured; the numbers go through TRL's own metric buffer, so
+    they are averaged over processes, logged every step to `report_to` (MLflow) and kept in
+    `trainer.state.log_history`, which checkpoints carry across a resume. `step_records` reads
+    them back as the rows of `metrics/rl/<run>/steps.json`.
+
+`SnapshotCallback` exports the policy every N steps (the scaffold run's Figure 4 curve).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from transformers import TrainerCallback
+from trl import GRPOTrainer
+
+from parallel_r1.format import PARALLEL_OPEN, count_blocks, parallel_position
+from parallel_r1.rewards import RewardConfig, reward_type_at
+from parallel_r1.structure import TagIds, structured_forward
+
+
+@dataclass
+class RolloutStats:
+    """Tokens sampled by the rollout engine and the seconds it took, over this process's run."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    calls: int = 0
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds > 0 else None
+
+
+class ParallelGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer that scores rollouts under the variant's attention and logs the parallel metrics.
+
+    structured=True (Unseen): every log-prob recomputation (policy, old policy, reference) runs inside
+    `structure.structured_forward`, so the fused-LM-head forward TRL calls gets the path-window mask
+    and multiverse position ids instead of the 2D padding mask. structured=False (Seen) is the stock
+    causal computation. The rollout function is timed and its responses measured per step:
+    `response_length` (tokens), `blocks_per_response` (well-formed blocks, Algorithm 1),
+    `parallel_position` (token-level start of the first `<Parallel>` / response length, over responses
+    that have one; absent when none does) and `rollout_tokens_per_s`.
+    """
+
+    def __init__(self, *args, structured: bool = False, rollout_func=None, **kwargs) -> None:
+        self.structured = structured
+        self.rollout_stats = RolloutStats()
+        measured = self._measured(rollout_func) if rollout_func is not None else None
+        super().__init__(*args, rollout_func=measured, **kwargs)
+        self.tags = TagIds.from_tokenizer(self._tokenizer)
+
+    def _measured(self, rollout_func):
+        def rollout(prompts, trainer):
+            started = time.perf_counter()
+            output = rollout_func(prompts, trainer)
+            self._record_rollouts(output, time.perf_counter() - started)
+            return output
+
+        return rollout
+
+    def _record_rollouts(self, output: Mapping[str, Any], seconds: float) -> None:
+        completions = output["completion_ids"]
+        texts = output.get("completion_text")
+        if texts is None:
+            texts = self._tokenizer.batch_decode(completions, skip_special_tokens=False)
+        tokens = sum(len(ids) for ids in completions)
+        self.rollout_stats.tokens += tokens
+        self.rollout_stats.seconds += seconds
+        self.rollout_stats.calls += 1
+        if seconds > 0:
+            self._log_metric("rollout_tokens_per_s", tokens / seconds)
+        for ids, text in zip(completions, texts):
+            self._log_metric("response_length", float(len(ids)))
+            self._log_metric("blocks_per_response", float(count_blocks(text)))
+            position = parallel_position(text, self._tokenizer) if PARALLEL_OPEN in text else None
+            if position is not None:
+                self._log_metric("parallel_position", position)
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        if not self.structured:
+            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                              *args, **kwargs)
+        with structured_forward(model, self.tags) as stats:
+            result = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                                *args, **kwargs)
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode]["structure/broken_blocks"].append(float(stats.broken_blocks))
+        return result
+
+
+class SnapshotCallback(TrainerCallback):
+    """Every `every` optimizer steps, save the policy (safetensors + tokenizer) to `<folder>/step-<n>`.
+
+    Saved through `trainer.save_model` (all processes join, so sharded weights are gathered) to a
+    hidden folder that the main process renames into place: a killed run leaves no half snapshot.
+    """
+
+    def __init__(self, folder: str | os.PathLike, every: int) -> None:
+        self.folder, self.every = Path(folder), every
+        self.trainer: ParallelGRPOTrainer | None = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.trainer is None or state.global_step % self.every:
+            return
+        target = self.folder / f"step-{state.global_step}"
+        staging = self.folder / f".step-{state.global_step}.partial"
+        save_policy(self.trainer, staging)
+        if state.is_world_process_zero:
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(staging, target)
+
+
+def save_policy(trainer, folder: Path) -> None:
+    """Model weights, config and tokenizer, ready for inference (KV cache on, no training args)."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    use_cache = model.config.use_cache
+    model.config.use_cache = True
+    try:
+        trainer.save_model(str(folder))
+    finally:
+        model.config.use_cache = use_cache
+    (folder / "training_args.bin").unlink(missing_ok=True)
+
+
+STEP_KEYS = ("step", "reward", "accuracy", "parallel_ratio", "parallel_position", "response_length",
+             "blocks_per_response", "reward_type")
+
+
+def step_records(log_history: Iterable[Mapping[str, Any]], reward: str,
+                 reward_config: RewardConfig | None = None) -> list[dict]:
+    """One dict per optimizer step (the keys of STEP_KEYS) from the Trainer's log history.
+
+    `reward_type` is the schedule's type at that step (the step whose batch the rewards scored);
+    `parallel_position` is None when no response of the step opened a block.
+    """
+    records = []
+    for entry in log_history:
+        if "reward" not in entry or "step" not in entry:
+            continue
+        step = int(entry["step"])
+        measured = {key: entry.get(key) for key in STEP_KEYS[1:-1]}
+        records.append({"step": step, **measured, "reward_type": reward_type_at(reward, step, reward_config)})
+    return records

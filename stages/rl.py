@@ -1,0 +1,94 @@
+"""Stage `rl@<run>`: GRPO with parallel rollouts (PAPER.md stages 4-7), one params.yaml `rl_runs` entry.
+
+    dvc repro rl@parallel_r1_unseen_s2          # any run name of params.yaml rl_runs
+    python -m stages.rl parallel_r1_unseen_s2   # the same, directly
+    accelerate launch --config_file configs/<x>.yaml -m stages.rl parallel_r1_seen   # several GPUs / nodes
+
+A run starts from models/<init> and trains on data/rl/<dataset>.jsonl with its reward schedule
+(accuracy, R_parallel x R_acc, alternating S2, scaffold, parallel-only), Seen (causal) or Unseen
+(structured log-probs), with the Parallel Thinking or the Baseline prompt, forking rollouts at
+`<Parallel>` or not (the GRPO baselines). Writes models/<run> (safetensors + tokenizer; the scaffold
+run also models/<run>/steps/step-<n>/ every evaluate.scaffold_curve.every steps, for Figure 4),
+metrics/rl/<run>/steps.json (per step: reward, accuracy, parallel ratio, <Parallel> position,
+response length, blocks per response, reward type; a DVC plot) and metrics/rl/<run>/summary.json.
+Every step is also logged to the MLflow run `rl@<run>`. Checkpoints go to checkpoints/rl/<run>/
+every rl.save_steps; re-running a killed run resumes from the last one.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from parallel_r1 import tracking
+from parallel_r1.errors import PipelineError
+from parallel_r1.io import read_jsonl, write_json
+from parallel_r1.models import check_model_dir
+from parallel_r1.rewards import RewardConfig
+from parallel_r1.training.grpo import RLOptions, RLResult, train_rl
+from stages.common import load_params, section, stage_main
+
+PROBLEM_FIELDS = ("id", "question", "ground_truth", "answer_kind")
+
+
+def summarize(run: str, options: RLOptions, result: RLResult, wall_seconds: float) -> dict:
+    """metrics/rl/<run>/summary.json: what ran, how fast, and where it ended."""
+    last = result.history[-1] if result.history else {}
+    rate = result.rollout.tokens_per_second
+    return {
+        "run": run, "init": options.init, "dataset": options.dataset, "reward": options.reward,
+        "variant": options.variant, "prompt": options.prompt, "parallel": options.parallel,
+        "steps": result.steps, "steps_this_run": result.steps_this_run, "resumed_from": result.resumed_from,
+        "prompts": result.prompts, "dropped_long_prompts": result.dropped_prompts,
+        "rollouts_per_step": options.batch_size * options.num_generations,
+        "wall_seconds": round(wall_seconds, 1),
+        "train_seconds": round(result.train_seconds, 1),
+        "mean_step_seconds": round(result.train_seconds / result.steps_this_run, 2) if result.steps_this_run else None,
+        "rollout_backend": result.engine,
+        "rollout_tokens": result.rollout.tokens,
+        "rollout_seconds": round(result.rollout.seconds, 2),
+        "rollout_tokens_per_s": round(rate, 1) if rate is not None else None,
+        "final_reward": last.get("reward"),
+        "final_accuracy": last.get("accuracy"),
+        "final_parallel_ratio": last.get("parallel_ratio"),
+        "snapshots": result.snapshots,
+    }
+
+
+@stage_main
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    params = load_params()
+    runs = section(params, "rl_runs")
+    if len(args) != 1 or args[0] not in runs:
+        raise PipelineError(f"usage: python -m stages.rl <run> (one of {', '.join(runs)})")
+    run = args[0]
+    options = RLOptions.from_sections(run, section(params, "rl"), runs[run], seed=int(params.get("seed", 0)),
+                                      snapshot_every=section(params, "evaluate", "scaffold_curve").get("every"))
+    reward_config = RewardConfig.from_params(section(params, "rewards"), "params.yaml rewards")
+    init_dir = check_model_dir(f"models/{options.init}")
+    data = f"data/rl/{options.dataset}.jsonl"
+    rows = read_jsonl(data, required=PROBLEM_FIELDS)
+    tags = {tracking.TAG_VARIANT: options.variant, tracking.TAG_REWARD_SCHEDULE: options.reward,
+            "dataset": options.dataset, "init": options.init, "prompt": options.prompt, "parallel": options.parallel}
+    started = time.perf_counter()
+    with tracking.stage_run("rl", run, params, tags=tags):
+        result = train_rl(options, init_dir, rows, f"models/{run}", f"checkpoints/rl/{run}",
+                          reward_config=reward_config, dtype=str(section(params, "model").get("dtype", "float32")),
+                          report_to=tracking.report_to(), where=data)
+        if not result.is_main_process:
+            return
+        summary = {"profile": params["profile"], **summarize(run, options, result, time.perf_counter() - started)}
+        write_json(f"metrics/rl/{run}/steps.json", result.history)
+        write_json(f"metrics/rl/{run}/summary.json", summary)
+        tracking.log_metrics({key: summary[key] for key in ("mean_step_seconds", "rollout_tokens_per_s",
+                                                            "final_reward", "final_accuracy", "final_parallel_ratio")})
+        tracking.log_model_reference(result.model_dir)
+    print(f"rl@{run}: {result.steps} steps ({result.steps_this_run} this run), {summary['mean_step_seconds']} s/step, "
+          f"rollouts {summary['rollout_tokens_per_s']} tokens/s ({result.engine}); final reward "
+          f"{summary['final_reward']}, accuracy {summary['final_accuracy']}, parallel ratio "
+          f"{summary['final_parallel_ratio']} -> {result.model_dir}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,413 @@
+"""GRPO with parallel rollouts: options -> GRPOConfig, structured log-probs, end-to-end runs, resume, stage.
+
+The tiny policy (hidden 32, 1 layer, the real Qwen3 tokenizer) almost never writes a tag, so the
+end-to-end runs place them with `ForkSomeRollouts`, a logits processor handed to the rollout
+backend: rollouts whose first sampled token id is a multiple of 3 open `<Parallel>` (the engine then forks
+the paths and inserts its tags), the others answer plainly. Everything else -- forking, rewards,
+advantages, structured log-probs, the update, checkpoints -- is the real code path.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import astuple
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from transformers import TrainerCallback
+
+from parallel_r1.errors import PipelineError
+from parallel_r1.io import read_json, write_jsonl
+from parallel_r1.models import TinyModelConfig, build_tiny_model, load_model, load_tokenizer, qwen3_tokenizer_dir
+from parallel_r1.rewards import RewardConfig, build_reward
+from parallel_r1.structure import TagIds, attention_inputs, build_structure
+from parallel_r1.training.grpo import RLOptions, batch_layout, grpo_config, rl_dataset, train_rl
+from parallel_r1.training.grpo_trainer import STEP_KEYS, ParallelGRPOTrainer, step_records
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=16)
+PROBLEMS = [
+    {"id": "p1", "question": "What is 2 + 3?", "ground_truth": "5", "answer_kind": "gsm8k", "dataset": "t"},
+    {"id": "p2", "question": "A farmer has 12 cows and buys 7 more. How many cows?", "ground_truth": "19",
+     "answer_kind": "gsm8k", "dataset": "t"},
+]
+RL = {"lr": 1.0e-3, "beta": 0.0, "epsilon": 0.2, "temperature": 1.0, "top_p": 1.0, "max_prompt_tokens": 2000,
+      "max_completion_tokens": 24, "num_paths": 2, "max_blocks": 4, "engine": "transformers",
+      "per_device_batch_size": 4, "save_steps": 1, "gradient_checkpointing": False,
+      "datasets": {"gsm8k": {"batch_size": 1, "num_generations": 4, "max_steps": 1}}}
+RUN = {"init": "base", "dataset": "gsm8k", "reward": "parallel_only", "variant": "seen", "prompt": "parallel",
+       "parallel": True}
+
+
+def options(rl=None, snapshot_every=None, **run) -> RLOptions:
+    return RLOptions.from_sections("test_run", rl or RL, {**RUN, **run}, snapshot_every=snapshot_every)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(qwen3_tokenizer_dir())
+
+
+@pytest.fixture(scope="module")
+def tags(tokenizer):
+    return TagIds.from_tokenizer(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def init_dir(tokenizer, tmp_path_factory) -> Path:
+    """The tiny policy on disk, with layer weights redrawn at std 0.3 so sampling is not degenerate."""
+    model = build_tiny_model(tokenizer, TINY)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for weight in model.model.layers.parameters():
+            if weight.ndim == 2:
+                weight.copy_(torch.randn(weight.shape, generator=generator) * 0.3)
+    path = tmp_path_factory.mktemp("rl_init") / "base"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+class ForkSomeRollouts:
+    """Rollouts whose first sampled token id is a multiple of 3: 1 more token, `<Parallel>`, paths of 2 tokens
+    (closed by `</Path>`), a 1-token summary, 2 tokens, EOS. Odd ones: EOS after 3 tokens. Tags and EOS
+    are banned everywhere else."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tags = TagIds.from_tokenizer(tokenizer)
+        self.eos = tokenizer.eos_token_id
+        self.special = [*astuple(self.tags), self.eos]
+        self.turn = tokenizer.convert_tokens_to_ids("<|im_start|>")
+
+    def wanted(self, generated: list[int]) -> int | None:
+        marks = [i for i, token in enumerate(generated) if token in self.special]
+        last = generated[marks[-1]] if marks else None
+        since = len(generated) - (marks[-1] + 1 if marks else 0)
+        t = self.tags
+        if last is None and since == 2:
+            return t.parallel_open if generated[0] % 3 == 0 else None
+        rules = {None: (3, self.eos), t.path_open: (2, t.path_close), t.summary_open: (1, t.summary_close),
+                 t.summary_close: (2, self.eos)}
+        after, token = rules.get(last, (-1, None))
+        return token if since == after else None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.clone()
+        scores[:, self.special] = float("-inf")
+        for row, sequence in enumerate(input_ids.tolist()):
+            start = len(sequence) - sequence[::-1].index(self.turn) + 2  # after "<|im_start|>assistant\n"
+            token = self.wanted(sequence[start:])
+            if token is not None:
+                scores[row] = float("-inf")
+                scores[row, token] = 0.0
+        return scores
+
+
+# ---------------------------------------------------------------------------------- options
+
+
+@pytest.mark.parametrize("batch, generations, micro, processes, expected", [
+    (2, 4, 8, 1, (8, 1, 1, 8)),          # tiny: one micro-batch holds the whole step
+    (1024, 5, 8, 8, (8, 80, 80, 5120)),  # GSM8K RL on 8 GPUs
+    (512, 8, 8, 1, (8, 512, 512, 4096)),  # DAPO RL on one GPU
+    (2, 4, 8, 2, (4, 1, 1, 8)),          # a micro-batch never exceeds a process's share
+])
+def test_b_prompts_times_g_rollouts_make_one_generation_and_one_update(batch, generations, micro, processes,
+                                                                        expected, tmp_path):
+    rl = {**RL, "per_device_batch_size": micro,
+          "datasets": {"gsm8k": {"batch_size": batch, "num_generations": generations, "max_steps": 3}}}
+    opts = options(rl)
+    assert tuple(vars(batch_layout(opts, processes)).values()) == expected
+    if processes == 1:
+        config = grpo_config(opts, tmp_path)
+        assert (config.per_device_train_batch_size, config.gradient_accumulation_steps,
+                config.steps_per_generation, config.generation_batch_size) == expected
+        assert config.num_generations == generations and config.num_iterations == 1
+        assert config.loss_type == "dapo" and config.beta == 0.0 and not config.use_vllm
+
+
+def test_indivisible_batch_is_a_one_line_error():
+    rl = {**RL, "per_device_batch_size": 4, "datasets": {"gsm8k": {"batch_size": 3, "num_generations": 2,
+                                                                   "max_steps": 1}}}
+    with pytest.raises(PipelineError, match="per_device_batch_size: 4 does not divide the 6 completions"):
+        batch_layout(options(rl))
+    with pytest.raises(PipelineError, match="6 completions do not split over 4 processes"):
+        batch_layout(options(rl), processes=4)
+
+
+def test_run_dataset_and_shared_sections_merge_into_options(tmp_path):
+    opts = options(epsilon_high=0.28, variant="unseen", reward="alternating")
+    assert (opts.batch_size, opts.num_generations, opts.max_steps) == (1, 4, 1)
+    assert opts.structured and opts.max_completion_tokens == 24
+    config = grpo_config(opts, tmp_path)
+    assert (config.epsilon, config.epsilon_high, config.learning_rate) == (0.2, 0.28, 1.0e-3)
+    assert options().epsilon_high is None and grpo_config(options(), tmp_path).epsilon_high is None  # = epsilon
+
+
+def test_vllm_engine_turns_on_trl_vllm_so_trl_syncs_its_weights(tmp_path):
+    colocate = grpo_config(options({**RL, "engine": "vllm"}), tmp_path)
+    assert colocate.use_vllm and colocate.vllm_mode == "colocate"
+    assert colocate.vllm_max_model_length == RL["max_prompt_tokens"] + RL["max_completion_tokens"]
+    server = grpo_config(options({**RL, "engine": "vllm", "vllm_mode": "server",
+                                  "vllm_server_base_url": "http://10.0.0.2:8000"}), tmp_path)
+    assert server.use_vllm and server.vllm_mode == "server" and server.vllm_server_base_url == "http://10.0.0.2:8000"
+    with pytest.raises(PipelineError, match="rl.vllm_server_base_url: required with vllm_mode server"):
+        grpo_config(options({**RL, "engine": "vllm", "vllm_mode": "server"}), tmp_path)
+    if not torch.cuda.is_available():  # auto = vLLM only where TRL can push weights into it
+        assert options({**RL, "engine": "auto"}).resolved_engine() == "transformers"
+
+
+@pytest.mark.parametrize("run, message", [
+    ({"colour": "red"}, "rl_runs.test_run: unknown key 'colour'"),
+    ({"dataset": "math"}, "rl_runs.test_run.dataset: 'math' has no entry in rl.datasets"),
+    ({"reward": "kindness"}, "reward 'kindness' is unknown"),
+    ({"variant": "hidden"}, "variant: expected one of 'seen', 'unseen'"),
+])
+def test_bad_run_entry_is_a_one_line_error(run, message):
+    with pytest.raises(PipelineError, match=message) as error:
+        options(**run)
+    assert "\n" not in str(error.value)
+
+
+def test_long_prompts_are_dropped_and_columns_kept_for_rewards(tokenizer):
+    short = len(tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True))
+    rows = [*PROBLEMS, {**PROBLEMS[0], "id": "long", "question": "seven " * 3000}]
+    dataset, dropped = rl_dataset(rows, tokenizer, "baseline", max_prompt_tokens=short + 200)
+    assert dropped == 1 and dataset["id"] == ["p1", "p2"]
+    assert dataset["ground_truth"] == ["5", "19"] and dataset["answer_kind"] == ["gsm8k", "gsm8k"]
+    assert dataset["prompt"][0] == [{"role": "user", "content": dataset["prompt"][0][0]["content"]}]
+    assert dataset["prompt"][0][0]["content"].startswith("What is 2 + 3? Let's think step by step")
+    with pytest.raises(PipelineError, match="no prompt fits rl.max_prompt_tokens = 5"):
+        rl_dataset(rows, tokenizer, "parallel", max_prompt_tokens=5)
+
+
+def test_step_records_carry_the_schedule_reward_type_and_null_positions():
+    history = [{"step": s, "reward": 0.5, "accuracy": 0.25, "parallel_ratio": 1.0, "response_length": 9.0,
+                "blocks_per_response": 1.0, **({"parallel_position": 0.4} if s != 2 else {})} for s in (1, 2, 3)]
+    history.append({"step": 3, "train_runtime": 1.0})
+    records = step_records(history, "alternating", RewardConfig(window=2, tiered_steps=1))
+    assert [tuple(r) for r in records] == [STEP_KEYS] * 3
+    assert [r["reward_type"] for r in records] == ["accuracy", "tiered", "accuracy"]
+    assert [r["parallel_position"] for r in records] == [0.4, None, 0.4]
+
+
+# ---------------------------------------------------------------------------------- structured log-probs
+
+
+def trainer_for(structured: bool, init_dir: Path, tmp_path: Path) -> ParallelGRPOTrainer:
+    model, tokenizer = load_model(init_dir, attn_implementation="sdpa")
+    dataset, _ = rl_dataset(PROBLEMS, tokenizer, "parallel", 2000)
+    return ParallelGRPOTrainer(model=model, reward_funcs=[build_reward("accuracy")],
+                               args=grpo_config(options(), tmp_path / f"out_{structured}"), train_dataset=dataset,
+                               processing_class=tokenizer, structured=structured)
+
+
+def reference_logprobs(model, ids: torch.Tensor, tags: TagIds, structured: bool, completion: int) -> torch.Tensor:
+    """Log-prob of each of the last `completion` tokens from a plain forward with the given structure."""
+    structure = build_structure(ids, None, tags, structured=structured)
+    with torch.no_grad():
+        logits = model(input_ids=ids, **attention_inputs(structure, "sdpa")).logits
+    logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(2, ids[:, 1:, None])[..., 0]
+    return logprobs[:, -completion:]
+
+
+TWO_PATHS = "Let me see.<Parallel><Path> add them</Path><Path> count up</Path></Parallel>\n<Summary> 5</Summary> Final Answer: 5"
+NO_BLOCK = "Let me see. Two plus three is five. Final Answer: 5"
+
+
+@pytest.fixture(scope="module")
+def trainers(init_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("trainers")
+    return {structured: trainer_for(structured, init_dir, tmp) for structured in (False, True)}
+
+
+def encode(tokenizer, prompt: str, completion: str) -> tuple[list[int], list[int]]:
+    return (tokenizer.encode(prompt, add_special_tokens=False),
+            tokenizer.encode(completion, add_special_tokens=False) + [tokenizer.eos_token_id])
+
+
+def scored(trainer, prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:
+    ids = torch.tensor([prompt_ids + completion_ids])
+    with torch.no_grad():
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, torch.ones_like(ids),
+                                                                 len(completion_ids))
+    return logps[0]
+
+
+def test_unseen_trainer_scores_paths_with_the_path_window_mask(trainers, tokenizer, tags):
+    prompt, completion = encode(tokenizer, "What is 2 + 3?", TWO_PATHS)
+    seen, unseen = scored(trainers[False], prompt, completion), scored(trainers[True], prompt, completion)
+    ids = torch.tensor([prompt + completion])
+    model = trainers[True].model
+    assert torch.allclose(unseen, reference_logprobs(model, ids, tags, True, len(completion))[0], atol=1e-4)
+    assert torch.allclose(seen, reference_logprobs(model, ids, tags, False, len(completion))[0], atol=1e-4)
+    second_path = [i for i, t in enumerate(completion) if t == tags.path_open][1]
+    # a token is scored from the position before it: up to the second <Path> both see the same context
+    assert torch.allclose(seen[:second_path + 1], unseen[:second_path + 1], atol=1e-5)
+    assert not torch.allclose(seen[second_path + 1:], unseen[second_path + 1:], atol=1e-3)
+
+
+def test_unseen_trainer_equals_causal_without_blocks(trainers, tokenizer):
+    prompt, completion = encode(tokenizer, "What is 2 + 3?", NO_BLOCK)
+    assert torch.allclose(scored(trainers[False], prompt, completion), scored(trainers[True], prompt, completion),
+                          atol=1e-5)
+
+
+def test_unseen_scores_of_a_padded_batch_match_each_row_alone(trainers, tokenizer):
+    """TRL's layout: left-padded prompts, right-padded completions (padding in the middle)."""
+    rows = [encode(tokenizer, "What is 2 + 3?", TWO_PATHS), encode(tokenizer, "A much longer question here?", NO_BLOCK)]
+    prompt_len, completion_len = max(len(p) for p, _ in rows), max(len(c) for _, c in rows)
+    pad = tokenizer.pad_token_id
+    ids, mask = [], []
+    for prompt, completion in rows:
+        left, right = prompt_len - len(prompt), completion_len - len(completion)
+        ids.append([pad] * left + prompt + completion + [pad] * right)
+        mask.append([0] * left + [1] * (len(prompt) + len(completion)) + [0] * right)
+    trainer = trainers[True]
+    ids, mask = torch.tensor(ids), torch.tensor(mask)
+    with torch.no_grad():
+        batch, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, completion_len)
+    for row, (prompt, completion) in enumerate(rows):
+        alone = scored(trainer, prompt, completion)
+        assert torch.allclose(batch[row, :len(completion)], alone, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------- end to end
+
+
+def run_once(init_dir: Path, tmp_path: Path, tokenizer, opts: RLOptions, reward_config=RewardConfig(), **kwargs):
+    return train_rl(opts, init_dir, PROBLEMS, tmp_path / "models" / opts.run, tmp_path / "checkpoints" / opts.run,
+                    reward_config=reward_config, engine_options={"logits_processor": ForkSomeRollouts(tokenizer)},
+                    **kwargs)
+
+
+def changed_parameters(before: Path, after: Path) -> int:
+    old, _ = load_model(before)
+    new, _ = load_model(after)
+    return sum(not torch.equal(a, b) for a, b in zip(old.state_dict().values(), new.state_dict().values()))
+
+
+@pytest.mark.slow
+def test_seen_grpo_step_forks_rollouts_rewards_them_and_saves_the_model(init_dir, tmp_path, tokenizer):
+    rl = {**RL, "datasets": {"gsm8k": {"batch_size": 2, "num_generations": 4, "max_steps": 1}}}  # 2 micro-batches
+    result = run_once(init_dir, tmp_path, tokenizer, options(rl))
+    assert result.steps == 1 and result.steps_this_run == 1 and result.resumed_from is None
+    (record,) = result.history
+    assert tuple(record) == STEP_KEYS and record["reward_type"] == "parallel_only"
+    assert 0.0 < record["parallel_ratio"] < 1.0  # some rollouts forked, some did not
+    assert record["reward"] == pytest.approx(2 * record["parallel_ratio"] - 1)  # parallel_only: +1 / -1
+    assert record["blocks_per_response"] == pytest.approx(record["parallel_ratio"])
+    assert 0.0 < record["parallel_position"] < 0.5
+    assert result.rollout.tokens > 0 and result.engine == "transformers"
+    assert changed_parameters(init_dir, result.model_dir) > 0  # mixed rewards -> a real update
+    _, saved = load_model(result.model_dir)
+    assert TagIds.from_tokenizer(saved) == TagIds.from_tokenizer(tokenizer)
+    assert not (tmp_path / "checkpoints" / "test_run").exists()
+
+
+@pytest.mark.slow
+def test_unseen_scaffold_run_exports_step_snapshots(init_dir, tmp_path, tokenizer):
+    opts = options(variant="unseen", reward="scaffold", epsilon_high=0.28, snapshots=True, snapshot_every=1,
+                   rl={**RL, "datasets": {"gsm8k": {"batch_size": 1, "num_generations": 4, "max_steps": 2}}})
+    every_step_tiered_then_switch = RewardConfig(window=1, tiered_steps=1, switch_step=1)
+    result = run_once(init_dir, tmp_path, tokenizer, opts, every_step_tiered_then_switch)
+    assert [r["reward_type"] for r in result.history] == ["tiered", "accuracy"]
+    assert result.snapshots == ["step-1", "step-2"]
+    for name in result.snapshots:
+        model, _ = load_model(result.model_dir / "steps" / name)
+        assert model.config.num_hidden_layers == 1
+    assert all(r["parallel_ratio"] is not None for r in result.history)
+
+
+class KillAtStep2(TrainerCallback):
+    """Stops the run like a kill, right after the step-2 checkpoint is written."""
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == 2:
+            raise KeyboardInterrupt("killed")
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_from_its_last_checkpoint_with_more_steps(init_dir, tmp_path, tokenizer):
+    def steps(n):
+        return options({**RL, "datasets": {"gsm8k": {"batch_size": 1, "num_generations": 4, "max_steps": n}}},
+                       variant="unseen")
+
+    with pytest.raises(KeyboardInterrupt):
+        run_once(init_dir, tmp_path, tokenizer, steps(2), callbacks=[KillAtStep2()])
+    checkpoints = tmp_path / "checkpoints" / "test_run"
+    assert (checkpoints / "checkpoint-2").is_dir() and not (tmp_path / "models" / "test_run").exists()
+
+    result = run_once(init_dir, tmp_path, tokenizer, steps(3))  # max_steps is not part of the run's identity
+    assert result.resumed_from == str(checkpoints / "checkpoint-2")
+    assert (result.steps, result.steps_this_run) == (3, 1)
+    assert [r["step"] for r in result.history] == [1, 2, 3]
+    assert (result.model_dir / "model.safetensors").is_file() and not checkpoints.exists()
+
+
+# ---------------------------------------------------------------------------------- stage
+
+
+def stage_project(root: Path, with_model: Path | None = None) -> None:
+    """A project folder with the repository's params.yaml and prompt sets (and an init model)."""
+    shutil.copy(REPO / "params.yaml", root / "params.yaml")
+    for name in ("gsm8k", "dapo"):
+        write_jsonl(root / f"data/rl/{name}.jsonl", PROBLEMS)
+    if with_model is not None:
+        shutil.copytree(with_model, root / "models" / "base")
+
+
+def run_stage(root: Path, monkeypatch, capsys, *args: str) -> str:
+    from stages import rl as stage
+
+    monkeypatch.chdir(root)
+    monkeypatch.setenv("PARALLEL_R1_TRACKING", "off")
+    with pytest.raises(SystemExit) as exit_info:
+        stage.main(list(args))
+    assert exit_info.value.code == 1
+    return capsys.readouterr().err.strip()
+
+
+def test_unknown_run_name_stops_with_one_line(tmp_path, monkeypatch, capsys):
+    stage_project(tmp_path)
+    err = run_stage(tmp_path, monkeypatch, capsys, "grpo_everything")
+    assert err.startswith("error: usage: python -m stages.rl <run> (one of grpo_gsm8k, ") and "\n" not in err
+
+
+def test_missing_init_model_stops_with_one_line(tmp_path, monkeypatch, capsys):
+    stage_project(tmp_path)
+    err = run_stage(tmp_path, monkeypatch, capsys, "grpo_gsm8k")
+    assert err == "error: models/base: model folder not found (did its stage run?)"
+
+
+def test_corrupt_init_model_stops_with_one_line(tmp_path, monkeypatch, capsys, init_dir):
+    stage_project(tmp_path, with_model=init_dir)
+    (tmp_path / "models/base/model.safetensors").unlink()
+    err = run_stage(tmp_path, monkeypatch, capsys, "grpo_gsm8k")
+    assert err == "error: models/base: no weights (*.safetensors) — corrupt or half-written checkpoint"
+
+
+@pytest.mark.slow
+def test_stage_writes_model_steps_and_summary(tmp_path, monkeypatch, init_dir):
+    from stages import rl as stage
+
+    stage_project(tmp_path, with_model=init_dir)
+    params = yaml.safe_load((tmp_path / "params.yaml").read_text())
+    params["profiles"]["tiny"]["rl"].update({"max_completion_tokens": 8, "save_steps": 5,
+                                             "datasets": {"gsm8k": {"batch_size": 1, "num_generations": 2,
+                                                                    "max_steps": 1}}})
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PARALLEL_R1_TRACKING", "off")
+    stage.main(["grpo_gsm8k"])
+    steps = read_json(tmp_path / "metrics/rl/grpo_gsm8k/steps.json")
+    assert [tuple(r) for r in steps] == [STEP_KEYS] and steps[0]["reward_type"] == "accuracy"
+    summary = read_json(tmp_path / "metrics/rl/grpo_gsm8k/summary.json")
+    assert summary["steps"] == 1 and summary["rollout_backend"] == "transformers"
+    assert summary["rollout_tokens_per_s"] > 0 and summary["final_reward"] == steps[0]["reward"]
+    assert summary["profile"] == "tiny" and json.dumps(summary)
+    load_model(tmp_path / "models/grpo_gsm8k")
