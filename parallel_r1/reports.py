@@ -368,6 +368,7 @@ def figure3_parallel_position(steps_by_run: Mapping[str, Sequence[dict]], path: 
         raise PipelineError("figure3: no RL runs to plot")
     fig = _new_figure()
     ax = fig.add_subplot()
+    all_steps = [s["step"] for steps in steps_by_run.values() for s in steps if "step" in s]
     for run, steps in steps_by_run.items():
         _check_entries(steps, ("step", "parallel_position"), f"metrics/rl/{run}/steps.json")
         ordered = sorted(steps, key=lambda s: s["step"])
@@ -375,6 +376,8 @@ def figure3_parallel_position(steps_by_run: Mapping[str, Sequence[dict]], path: 
         label = run if any(not math.isnan(y) for y in ys) else f"{run} (no block at any step)"
         ax.plot([s["step"] for s in ordered], ys, marker="o", markersize=3, linewidth=1.5, label=label)
     ax.set_ylim(0, 1)
+    if all_steps:  # keep the step axis even when no run has a block (all gaps)
+        ax.set_xlim(min(all_steps) - 0.5, max(all_steps) + 0.5)
     ax.set_xlabel("RL step")
     ax.set_ylabel("relative position of first <Parallel>\n(start ÷ response length)")
     ax.set_title(f"Figure 3 — where parallel thinking starts, over RL\n{_subtitle(profile)}", fontsize=11)

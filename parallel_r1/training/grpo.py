@@ -41,11 +41,11 @@ from parallel_r1.prompts import chat_messages, render_prompt
 from parallel_r1.rewards import RewardConfig, build_reward
 from parallel_r1.training.grpo_trainer import (ParallelGRPOTrainer, RolloutStats, SnapshotCallback, save_policy,
                                                step_records)
+from parallel_r1.training.checkpoints import file_signature, resume_point
 from parallel_r1.training.rollout import engine_for_trainer, make_rollout_func
 
 Variant = Literal["seen", "unseen"]
 EngineKind = Literal["auto", "vllm", "transformers"]
-RUN_RECORD = "run.json"  # what the checkpoints in a checkpoint folder were trained from
 SNAPSHOTS = "snapshots"  # scaffold snapshots, staged beside the checkpoints, moved to <model>/steps/
 RUN_KEYS = ("init", "dataset", "reward", "variant", "prompt", "parallel", "epsilon_high", "snapshots")
 DATASET_KEYS = ("batch_size", "num_generations", "max_steps")
@@ -289,31 +289,11 @@ def rl_dataset(rows: Sequence[Mapping[str, Any]], tokenizer, style: str, max_pro
 
 
 def _fingerprint(options: RLOptions, dataset, init_dir: Path, reward_config: RewardConfig) -> dict:
-    """What a run's checkpoints depend on: options (but max_steps/save_steps), data, init model, rewards.
-
-    Returned as JSON reads it back (lists, not tuples), so it compares equal to the stored record.
-    """
+    """What a run's checkpoints depend on: options (but max_steps/save_steps), data, init model, rewards."""
     data = hashlib.sha256(json.dumps(dataset.to_dict(), sort_keys=True).encode()).hexdigest()
-    init = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in init_dir.iterdir() if p.is_file())
     training = {k: v for k, v in asdict(options).items() if k not in RESUMABLE_FIELDS}
-    return json.loads(json.dumps({"options": training, "rewards": asdict(reward_config), "data_sha256": data,
-                                  "init_model": [str(init_dir.resolve()), init]}))
-
-
-def _resume_point(checkpoint_dir: Path, fingerprint: dict, state) -> str | None:
-    """The last checkpoint of a run with the same fingerprint; else clear the folder for a fresh run."""
-    from transformers.trainer_utils import get_last_checkpoint
-
-    record = checkpoint_dir / RUN_RECORD
-    same_run = record.is_file() and json.loads(record.read_text(encoding="utf-8")) == fingerprint
-    last = get_last_checkpoint(str(checkpoint_dir)) if same_run else None
-    state.wait_for_everyone()
-    if not same_run and state.is_main_process:
-        shutil.rmtree(checkpoint_dir, ignore_errors=True)
-        checkpoint_dir.mkdir(parents=True)
-        record.write_text(json.dumps(fingerprint), encoding="utf-8")
-    state.wait_for_everyone()
-    return last
+    return {"options": training, "rewards": asdict(reward_config), "data_sha256": data,
+            "init_model": file_signature(init_dir)}
 
 
 @dataclass
@@ -376,7 +356,7 @@ def train_rl(options: RLOptions, init_dir: str | os.PathLike, rows: Sequence[Map
     reward_config = reward_config or RewardConfig()
     model, tokenizer = load_model(init_dir, "float32", attn_implementation="sdpa")
     dataset, dropped = rl_dataset(rows, tokenizer, options.prompt, options.max_prompt_tokens, where)
-    resumed_from = _resume_point(checkpoint_dir, _fingerprint(options, dataset, init_dir, reward_config), state)
+    resumed_from = resume_point(checkpoint_dir, _fingerprint(options, dataset, init_dir, reward_config), state)
     engine = options.resolved_engine()
     config = grpo_config(options, checkpoint_dir, report_to, processes=state.num_processes,
                          bf16=torch.cuda.is_available() and dtype == "bfloat16")

@@ -31,7 +31,6 @@ part in saving (FSDP / ZeRO-3 gather the weights), only the main one moves the f
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 from dataclasses import asdict, dataclass, field
@@ -47,13 +46,13 @@ from parallel_r1.io import atomic_path
 from parallel_r1.models import load_model
 from parallel_r1.prompts import render_prompt
 from parallel_r1.structure import Structure, TagIds, attention_inputs, build_structure
+from parallel_r1.training.checkpoints import file_signature, resume_point
 
 Variant = Literal["seen", "unseen"]
 VARIANTS: tuple[str, ...] = ("seen", "unseen")
 WINDOW_START, WINDOW_END = "path_window_start", "path_window_end"
 END_OF_TURN = "<|im_end|>"  # Qwen chat templates close every turn with it
 ATTN_FOR_BACKEND = {"dense": "sdpa", "flex": "flex_attention"}
-RUN_RECORD = "run.json"  # what the checkpoints in a checkpoint folder were trained from
 PROBE_FIELDS = ("probe_questions", "probe_max_tokens")
 
 
@@ -250,26 +249,8 @@ def _fingerprint(options: SFTOptions, dataset, base_dir: Path) -> dict:
     data = hashlib.sha256()
     for prompt, completion in zip(dataset["prompt"], dataset["completion"]):
         data.update(prompt.encode() + b"\0" + completion.encode() + b"\0")
-    base = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in base_dir.iterdir() if p.is_file())
     training = {k: v for k, v in asdict(options).items() if k not in PROBE_FIELDS}
-    fingerprint = {"options": training, "data_sha256": data.hexdigest(), "base_model": [str(base_dir.resolve()), base]}
-    return json.loads(json.dumps(fingerprint))  # as it reads back from run.json (tuples become lists)
-
-
-def _resume_point(checkpoint_dir: Path, fingerprint: dict, state) -> str | None:
-    """The last checkpoint of a run with the same fingerprint; else clear the folder for a fresh run."""
-    from transformers.trainer_utils import get_last_checkpoint
-
-    record = checkpoint_dir / RUN_RECORD
-    same_run = record.is_file() and json.loads(record.read_text(encoding="utf-8")) == fingerprint
-    last = get_last_checkpoint(str(checkpoint_dir)) if same_run else None
-    state.wait_for_everyone()
-    if not same_run and state.is_main_process:
-        shutil.rmtree(checkpoint_dir, ignore_errors=True)
-        checkpoint_dir.mkdir(parents=True)
-        record.write_text(json.dumps(fingerprint), encoding="utf-8")
-    state.wait_for_everyone()
-    return last
+    return {"options": training, "data_sha256": data.hexdigest(), "base_model": file_signature(base_dir)}
 
 
 def make_trainer(options: SFTOptions, model, tokenizer, dataset, output_dir: str | os.PathLike, *,
@@ -303,7 +284,7 @@ def train_sft(options: SFTOptions, base_dir: str | os.PathLike, rows: Sequence[M
     base_dir, out_dir, checkpoint_dir = Path(base_dir), Path(out_dir), Path(checkpoint_dir)
     model, tokenizer = load_model(base_dir, "float32", attn_implementation=options.attn_implementation)
     dataset = sft_dataset(rows, tokenizer, where)
-    resumed_from = _resume_point(checkpoint_dir, _fingerprint(options, dataset, base_dir), state)
+    resumed_from = resume_point(checkpoint_dir, _fingerprint(options, dataset, base_dir), state)
     trainer = make_trainer(options, model, tokenizer, dataset, checkpoint_dir, report_to=report_to,
                            bf16=torch.cuda.is_available() and dtype == "bfloat16", processes=state.num_processes,
                            callbacks=callbacks)
