@@ -2,7 +2,7 @@
 
 A tiny random-init Qwen3 (the project's tiny profile size, real 152k Qwen3 vocabulary) answers
 GSM8K test questions rendered with the Parallel Thinking prompt, `--generations` rollouts each,
-through the fork loop (parallel=True). A random model almost never writes `<Parallel>`, so the
+through the fork loop (parallel=True; `--plain` for plain generation). A random model almost never writes `<Parallel>`, so the
 `<Parallel>`, `</Path>` and `</Summary>` embedding rows are scaled by `--tag-scale` to make it
 fork, and blocks/rollout is printed: the runs exercise the forks, not just plain decoding.
 
@@ -13,6 +13,7 @@ the same prompts and seeds but do not sample identical tokens (different kernels
 
     python benchmarks/rollout_throughput.py                       # both backends where vLLM is installed
     python benchmarks/rollout_throughput.py --backends transformers --prompts 16
+    python benchmarks/rollout_throughput.py --plain             # plain generation (teacher stage)
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def fork_prone_model(folder: str, tag_scale: float):
 
 
 def measure(kind: str, folder: str, tokenizer, prompt_ids, args) -> dict:
-    config = RolloutConfig(parallel=True, max_tokens=args.max_tokens, temperature=1.0, seed=0)
+    config = RolloutConfig(parallel=not args.plain, max_tokens=args.max_tokens, temperature=1.0, seed=0)
     started = time.perf_counter()
     engine = make_engine(kind, folder, tokenizer, config, dtype="float32")
     startup = time.perf_counter() - started
@@ -76,6 +77,8 @@ def main() -> None:
     parser.add_argument("--tag-scale", type=float, default=30.0)
     parser.add_argument("--backends", nargs="+", default=["transformers", "vllm"], choices=["transformers", "vllm"])
     parser.add_argument("--data", default=GSM8K_TEST)
+    parser.add_argument("--plain", action="store_true",
+                        help="plain generation without forking (teacher generation, the GRPO baselines)")
     args = parser.parse_args()
     backends = [b for b in args.backends if b != "vllm" or vllm_available()]
     with open(args.data, encoding="utf-8") as source:
@@ -85,7 +88,7 @@ def main() -> None:
         prompt_ids = [tokenizer(render_prompt(tokenizer, q), add_special_tokens=False)["input_ids"] for q in questions]
         results = [measure(kind, folder, tokenizer, prompt_ids, args) for kind in backends]
     print(f"rollout throughput: tiny Qwen3 {TinyModelConfig()}, vocab {len(tokenizer)}; {len(questions)} GSM8K "
-          f"prompts x {args.generations} generations, max {args.max_tokens} tokens, parallel=True, "
+          f"prompts x {args.generations} generations, max {args.max_tokens} tokens, parallel={not args.plain}, "
           f"tag scale {args.tag_scale}")
     print(f"{'backend':<13}{'start s':>9}{'gen s':>9}{'tokens':>8}{'sampled':>9}{'tok/s':>9}"
           f"{'blocks/rollout':>16}{'vs transformers':>17}")

@@ -44,7 +44,20 @@ def load_params(path: str | os.PathLike = PARAMS_FILE, profile: str | None = Non
         raise PipelineError(f"{path} profile: unknown profile {profile!r} (choose from {', '.join(profiles)})")
     params = deep_merge(raw, profiles[profile] or {})
     params["profile"] = profile
+    _anchor_mirror(params)
     return params
+
+
+def _anchor_mirror(params: dict[str, Any]) -> None:
+    """Resolve a relative `data.mirror_dir` against the project root, not the stage's cwd.
+
+    `dvc exp run --temp` runs stages in a copy under .dvc/tmp/exps/, where `../shared/data`
+    would point nowhere; DVC passes the project root in env DVC_ROOT.
+    """
+    data = params.get("data")
+    mirror = data.get("mirror_dir") if isinstance(data, dict) else None
+    if mirror and not os.path.isabs(mirror):
+        data["mirror_dir"] = str((Path(os.environ.get("DVC_ROOT") or ".") / mirror).resolve())
 
 
 def section(params: dict[str, Any], *keys: str) -> Any:

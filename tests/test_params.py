@@ -103,3 +103,12 @@ def test_typed_options_reject_bad_values():
         from_mapping(TinyModelConfig, {"hiden_size": 4}, "params.yaml model.tiny")
     with pytest.raises(PipelineError, match=r"num_hidden_layers: expected int, got 'two'"):
         from_mapping(TinyModelConfig, {"num_hidden_layers": "two"}, "params.yaml model.tiny")
+
+
+def test_relative_mirror_is_anchored_at_the_dvc_root(tmp_path, monkeypatch):
+    path = tmp_path / "params.yaml"
+    path.write_text("profile: tiny\ndata: {mirror_dir: ../shared/data}\nprofiles: {tiny: {}, paper: {}}\n")
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path / "project"))
+    assert load_params(path)["data"]["mirror_dir"] == str(tmp_path / "shared" / "data")
+    path.write_text("profile: tiny\ndata: {mirror_dir: /abs/mirror}\nprofiles: {tiny: {}, paper: {}}\n")
+    assert load_params(path)["data"]["mirror_dir"] == "/abs/mirror"
