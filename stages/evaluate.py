@@ -8,7 +8,8 @@ Per benchmark of `evaluate.benchmarks`: k samples per problem at temperature 1.0
 model's training prompt and rollout mode (parallel forking, structured attention for the
 Unseen variant), scored by the training reward's answer checker. Writes
 metrics/eval/<model>/<benchmark>.json and the samples to data/samples/<model>/<benchmark>.jsonl.
-One process (one engine start) serves all benchmarks of a model: with vLLM a start costs
+Each run is the MLflow run `evaluate@<model>` with metrics `<benchmark>.<metric>` (the
+curve: `scaffold_curve`, one point per step). One process (one engine start) serves all benchmarks of a model: with vLLM a start costs
 minutes on a GPU node and ~70 s on a CPU, so a process per (model, benchmark) would
 multiply that by the number of benchmarks.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from parallel_r1 import tracking
 from parallel_r1.engine import RolloutConfig, make_engine
 from parallel_r1.errors import PipelineError
 from parallel_r1.evaluation import generate_samples, sample_to_row, summarize
@@ -80,10 +82,28 @@ def benchmark_ks(params: dict) -> dict[str, int]:
     return ks
 
 
+def tracked_metrics(benchmark: str, metrics: dict) -> dict[str, float]:
+    """The numeric metrics of one benchmark as `<benchmark>.<metric>` for MLflow."""
+    return {f"{benchmark}.{key}": value for key, value in metrics.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)}
+
+
+def run_tags(model: str, params: dict) -> dict[str, str | None]:
+    """Variant and reward schedule of the model, so MLflow can group evaluations like RL runs."""
+    run = params.get("rl_runs", {}).get(model, {})
+    prompt, structured, parallel = rollout_mode(model, params)
+    return {tracking.TAG_VARIANT: "unseen" if structured else "seen", tracking.TAG_REWARD_SCHEDULE: run.get("reward"),
+            "prompt": prompt, "parallel_rollout": str(parallel).lower()}
+
+
 def evaluate_model(model: str, params: dict) -> None:
-    for name, (metrics, rows) in evaluate_folder(model, Path("models") / model, benchmark_ks(params), params).items():
-        write_json(f"metrics/eval/{model}/{name}.json", metrics)
-        write_jsonl(f"data/samples/{model}/{name}.jsonl", rows)
+    folder = Path("models") / model
+    with tracking.stage_run("evaluate", model, params, tags=run_tags(model, params)):
+        for name, (metrics, rows) in evaluate_folder(model, folder, benchmark_ks(params), params).items():
+            write_json(f"metrics/eval/{model}/{name}.json", metrics)
+            write_jsonl(f"data/samples/{model}/{name}.jsonl", rows)
+            tracking.log_metrics(tracked_metrics(name, metrics))
+        tracking.log_model_reference(folder)
 
 
 def evaluate_curve(run: str, params: dict) -> None:
@@ -95,10 +115,13 @@ def evaluate_curve(run: str, params: dict) -> None:
     if not snapshots:
         raise PipelineError(f"models/{run}/steps: no step snapshots to evaluate (did rl@{run} export them?)")
     points = []
-    for folder in snapshots:
-        metrics, _ = evaluate_folder(run, folder, {benchmark: k}, params)[benchmark]
-        points.append({"step": int(folder.name.split("-")[1]), "mean_at_k": metrics["mean_at_k"],
-                       "pass_at_k": metrics["pass_at_k"], "parallel_ratio": metrics["parallel_ratio"]})
+    with tracking.stage_run(f"{run}_curve", params=params, tags=run_tags(run, params)):  # DVC: scaffold_curve
+        for folder in snapshots:
+            step = int(folder.name.split("-")[1])
+            metrics, _ = evaluate_folder(run, folder, {benchmark: k}, params)[benchmark]
+            points.append({"step": step, "mean_at_k": metrics["mean_at_k"],
+                           "pass_at_k": metrics["pass_at_k"], "parallel_ratio": metrics["parallel_ratio"]})
+            tracking.log_metrics(tracked_metrics(benchmark, metrics), step=step)
     write_json(f"metrics/curves/{run}.json", {"benchmark": benchmark, "k": k, "profile": params["profile"],
                                               "switch_step": section(params, "rewards", "switch_step"),
                                               "points": points})

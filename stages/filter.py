@@ -11,12 +11,14 @@ before anything trains on nothing.
 
 from __future__ import annotations
 
+from parallel_r1 import tracking
 from parallel_r1.config import from_mapping
 from parallel_r1.errors import PipelineError
 from parallel_r1.filtering import FilterConfig, filter_outputs
 from parallel_r1.io import read_jsonl, write_json, write_jsonl
 from stages.common import load_params, section, stage_main
 
+TRACKED = ("examples", "valid", "valid_pct", "kept")   # per-dataset metrics logged to MLflow
 TEACHER_FIELDS = ("id", "question", "ground_truth", "completion_tokens", "source", "model")
 
 
@@ -27,23 +29,25 @@ def main() -> None:
     datasets = section(params, "generate", "datasets")
     if config.sft_dataset not in datasets:
         raise PipelineError(f"params.yaml filter.sft_dataset: {config.sft_dataset!r} is not in generate.datasets")
-    for name in datasets:
-        path = f"data/teacher/{name}.jsonl"
-        rows = read_jsonl(path, required=TEACHER_FIELDS)
-        for lineno, row in enumerate(rows, start=1):
-            if not isinstance(row.get("completion"), str):
-                raise PipelineError(f"{path}:{lineno}: field completion must be a string")
-        result = filter_outputs(rows, config)
-        metrics = result.metrics(name, rows[0]["source"], rows[0]["model"])
-        write_json(f"metrics/filter/{name}.json", metrics)
-        print(f"{name}: {metrics['valid']}/{metrics['examples']} valid ({metrics['valid_pct']}%), "
-              f"{metrics['kept']} kept, reasons {metrics['reasons']}")
-        if name == config.sft_dataset:
-            out = f"data/sft/parallel_{name}.jsonl"
-            write_jsonl(out, result.kept)
-            if not result.kept:
-                raise PipelineError(f"{path}: the filter kept 0 of {len(rows)} rows — no SFT data "
-                                    f"(see metrics/filter/{name}.json)")
+    with tracking.stage_run("filter", params=params):
+        for name in datasets:
+            path = f"data/teacher/{name}.jsonl"
+            rows = read_jsonl(path, required=TEACHER_FIELDS)
+            for lineno, row in enumerate(rows, start=1):
+                if not isinstance(row.get("completion"), str):
+                    raise PipelineError(f"{path}:{lineno}: field completion must be a string")
+            result = filter_outputs(rows, config)
+            metrics = result.metrics(name, rows[0]["source"], rows[0]["model"])
+            write_json(f"metrics/filter/{name}.json", metrics)
+            tracking.log_metrics({f"{name}.{key}": metrics[key] for key in TRACKED})
+            print(f"{name}: {metrics['valid']}/{metrics['examples']} valid ({metrics['valid_pct']}%), "
+                  f"{metrics['kept']} kept, reasons {metrics['reasons']}")
+            if name == config.sft_dataset:
+                out = f"data/sft/parallel_{name}.jsonl"
+                write_jsonl(out, result.kept)
+                if not result.kept:
+                    raise PipelineError(f"{path}: the filter kept 0 of {len(rows)} rows — no SFT data "
+                                        f"(see metrics/filter/{name}.json)")
 
 
 if __name__ == "__main__":

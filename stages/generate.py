@@ -19,6 +19,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from parallel_r1 import tracking
 from parallel_r1.data import TEACHER_DEMOS, TEACHER_DEMOS_MODEL, load_problems, load_teacher_demos
 from parallel_r1.errors import PipelineError
 from parallel_r1.io import read_jsonl, write_jsonl
@@ -88,18 +89,23 @@ def main(argv: list[str] | None = None) -> None:
     if limit is not None and limit < 0:
         raise PipelineError(f"params.yaml generate.datasets.{name}.limit: must be >= 0, got {limit}")
     mirror = section(params, "data").get("mirror_dir")
-    tokenizer = load_tokenizer(BASE_MODEL)
-    if spec.get("source") == "released":
-        rows = released_rows(mirror, limit, tokenizer)
-    elif spec.get("source") == "model":
-        problems = load_problems(section(spec, "problems"), mirror, limit)
-        rows = model_rows(name, problems, gen, int(params.get("seed", 0)), tokenizer)
-    else:
-        raise PipelineError(f"params.yaml generate.datasets.{name}.source: expected 'model' or 'released', "
-                            f"got {spec.get('source')!r}")
-    count = write_jsonl(f"data/teacher/{name}.jsonl", rows)
-    Path(f"data/teacher/.{name}.partial.jsonl").unlink(missing_ok=True)
-    print(f"data/teacher/{name}.jsonl: {count} teacher outputs")
+    tags = {"source": spec.get("source"), "teacher": gen.get("teacher")}
+    with tracking.stage_run("generate", name, params, tags=tags):
+        tokenizer = load_tokenizer(BASE_MODEL)
+        if spec.get("source") == "released":
+            rows = released_rows(mirror, limit, tokenizer)
+        elif spec.get("source") == "model":
+            problems = load_problems(section(spec, "problems"), mirror, limit)
+            rows = model_rows(name, problems, gen, int(params.get("seed", 0)), tokenizer)
+        else:
+            raise PipelineError(f"params.yaml generate.datasets.{name}.source: expected 'model' or 'released', "
+                                f"got {spec.get('source')!r}")
+        count = write_jsonl(f"data/teacher/{name}.jsonl", rows)
+        Path(f"data/teacher/.{name}.partial.jsonl").unlink(missing_ok=True)
+        print(f"data/teacher/{name}.jsonl: {count} teacher outputs")
+        tokens = sum(row["completion_tokens"] for row in rows)
+        tracking.log_metrics({"outputs": count, "truncated": sum(row["truncated"] for row in rows),
+                              "mean_completion_tokens": tokens / max(count, 1)})
 
 
 if __name__ == "__main__":

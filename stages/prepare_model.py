@@ -9,6 +9,7 @@ Qwen/Qwen3-4B-Base (local folder or Hub id) with the tags added and embeddings g
 
 from __future__ import annotations
 
+from parallel_r1 import tracking
 from parallel_r1.config import from_mapping
 from parallel_r1.models import TinyModelConfig, prepare_base_model
 from stages.common import load_params, section, stage_main
@@ -21,7 +22,9 @@ def main() -> None:
     params = load_params()
     model = section(params, "model")
     tiny = from_mapping(TinyModelConfig, model.get("tiny"), "params.yaml model.tiny")
-    path = prepare_base_model(str(section(model, "base")), OUT, dtype=model.get("dtype", "bfloat16"), tiny=tiny)
+    with tracking.stage_run("prepare_model", params=params, tags={"base_model": model.get("base")}):
+        path = prepare_base_model(str(section(model, "base")), OUT, dtype=model.get("dtype", "bfloat16"), tiny=tiny)
+        tracking.log_model_reference(path)
     print(f"prepared {model['base']} -> {path}")
 
 

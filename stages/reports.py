@@ -15,7 +15,8 @@ Each report reads only its own inputs, so DVC gives each its own deps:
     figure4            metrics/curves/scaffold.json             -> reports/figure4_scaffold.png
     reward_schedules   the RL runs in MLflow                    -> reports/reward_schedules.md + .png
 
-Benchmarks are aime25, aime24, amc23 and math. params.yaml keys read: `profile`, and the
+Each build is an MLflow run named like its DVC stage, with the report (and its plot) as
+artifacts. Benchmarks are aime25, aime24, amc23 and math. params.yaml keys read: `profile`, and the
 optional section `reports` (defaults in `parallel_r1.reports.ReportOptions`):
 
     reports:
@@ -33,7 +34,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from parallel_r1 import reports
+from parallel_r1 import reports, tracking
 from parallel_r1.config import from_mapping
 from parallel_r1.io import read_json
 from stages.common import load_params, stage_main
@@ -96,7 +97,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m stages.reports", description=__doc__.splitlines()[0])
     parser.add_argument("report", choices=sorted(OUTPUTS))
     args = parser.parse_args(argv)
-    print(f"wrote {build(args.report, load_params())}")
+    params = load_params()
+    with tracking.stage_run(args.report, params=params):  # the run is named like the DVC stage
+        out = build(args.report, params)
+        for path in (out, out.with_suffix(".png")):
+            if path.exists():
+                tracking.log_artifact(path)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

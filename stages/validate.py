@@ -17,6 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from parallel_r1 import tracking
 from parallel_r1.config import from_mapping
 from parallel_r1.errors import PipelineError
 from parallel_r1.io import read_jsonl
@@ -65,14 +66,16 @@ def main(argv: list[str] | None = None) -> None:
         rows = read_jsonl(path, allow_empty=True)  # an empty file is reported as a failed suite
         reports.append(validate_dataset(rows, kind, name, config))
     write_reports(reports, REPORT_DIR)
-
-    for report in reports:
-        print(report.summary() if report.warnings and report.success else report.status_line())
     failed = [report for report in reports if not report.success]
-    if failed:
-        print("\n" + "\n".join(report.summary() for report in failed), file=sys.stderr)
-        raise PipelineError(f"validation failed for {len(failed)} of {len(reports)} dataset(s) "
-                            f"({', '.join(r.name for r in failed)}); see {REPORT_DIR / 'summary.md'}")
+    with tracking.stage_run("validate", params=params):   # FAILED in MLflow when a suite fails
+        tracking.log_metrics({"datasets": len(reports), "failed": len(failed)})
+        tracking.log_artifact(REPORT_DIR / "summary.md")
+        for report in reports:
+            print(report.summary() if report.warnings and report.success else report.status_line())
+        if failed:
+            print("\n" + "\n".join(report.summary() for report in failed), file=sys.stderr)
+            raise PipelineError(f"validation failed for {len(failed)} of {len(reports)} dataset(s) "
+                                f"({', '.join(r.name for r in failed)}); see {REPORT_DIR / 'summary.md'}")
     print(f"all {len(reports)} dataset(s) valid; reports in {REPORT_DIR}")
 
 

@@ -52,6 +52,26 @@ def test_tiny_model_on_every_benchmark(inside):
         assert all(row["completion_tokens"] <= 24 for row in rows)
 
 
+def test_evaluation_is_an_mlflow_run_with_every_benchmark_metric(inside, monkeypatch):
+    from mlflow import MlflowClient
+
+    from stages.evaluate import main
+
+    uri = f"sqlite:///{inside / 'mlflow.db'}"
+    monkeypatch.setenv("PARALLEL_R1_TRACKING", "on")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "evaluate-test")
+    main(["base"])
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("evaluate-test").experiment_id])
+    assert (run.info.run_name, run.info.status) == ("evaluate@base", "FINISHED")
+    assert run.data.tags["variant"] == "seen" and run.data.tags["model.base.md5"].endswith(".dir")
+    for benchmark in BENCHMARKS:
+        metrics = json.loads((inside / "metrics/eval/base" / f"{benchmark}.json").read_text())
+        assert run.data.metrics[f"{benchmark}.mean_at_k"] == metrics["mean_at_k"]
+        assert run.data.metrics[f"{benchmark}.truncated"] == metrics["truncated"]
+
+
 def test_missing_checkpoint_is_one_line(inside, capsys):
     from stages.evaluate import main
 

@@ -65,6 +65,7 @@ def table_row(markdown: str, section: str, label: str) -> list[str]:
 def project(tmp_path, monkeypatch):
     write_fixture(tmp_path, fixture_metrics())
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PARALLEL_R1_TRACKING", "off")
     return tmp_path
 
 
@@ -218,6 +219,21 @@ def test_stage_writes_table2_from_the_metric_files(project):
     stage.main(["table2"])
     markdown = (project / "reports" / "table2.md").read_text()
     assert table_row(markdown, "", "Parallel-R1-Seen")[3] == "25.0 (19.2)"
+
+
+def test_stage_build_is_an_mlflow_run_with_the_report_as_artifact(project, monkeypatch):
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{project / 'mlflow.db'}"
+    monkeypatch.setenv("PARALLEL_R1_TRACKING", "on")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "reports-test")
+    stage.main(["table2"])
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("reports-test").experiment_id])
+    assert (run.info.run_name, run.info.status, run.data.tags["profile"]) == ("table2", "FINISHED", "tiny")
+    (artifact,) = client.list_artifacts(run.info.run_id)
+    assert artifact.path == "table2.md"
 
 
 def test_stage_missing_metric_file_fails_with_one_line(project, capsys):
