@@ -19,6 +19,7 @@ import torch
 import yaml
 from transformers import TrainerCallback
 
+from parallel_r1.engine import vllm_available
 from parallel_r1.errors import PipelineError
 from parallel_r1.io import read_json, write_jsonl
 from parallel_r1.models import TinyModelConfig, build_tiny_model, load_model, load_tokenizer, qwen3_tokenizer_dir
@@ -411,3 +412,15 @@ def test_stage_writes_model_steps_and_summary(tmp_path, monkeypatch, init_dir):
     assert summary["rollout_tokens_per_s"] > 0 and summary["final_reward"] == steps[0]["reward"]
     assert summary["profile"] == "tiny" and json.dumps(summary)
     load_model(tmp_path / "models/grpo_gsm8k")
+
+
+@pytest.mark.skipif(not vllm_available(), reason="vLLM not installed: TRL has nothing to import")
+def test_a_transformers_run_keeps_trl_from_importing_vllm():
+    """TRL imports vLLM whenever installed; a run that does not use it skips that start-up cost."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from parallel_r1.training.grpo import _keep_trl_off_vllm; _keep_trl_off_vllm(); "
+            "from parallel_r1.training.grpo_trainer import ParallelGRPOTrainer; print('vllm' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.split()[-1] == "False"
