@@ -13,7 +13,27 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from parallel_r1.errors import PipelineError
+
 RUN_RECORD = "run.json"
+
+
+def trainer_arguments(*, save_steps: int, seed: int, report_to: str | list[str], bf16: bool,
+                      gradient_checkpointing: bool) -> dict[str, Any]:
+    """The TrainingArguments SFT and GRPO share: a log row per step (the metric files and MLflow
+    read them), a checkpoint every `save_steps` with only the last kept (enough to resume), and
+    one seed for both the model's sampling and the data order."""
+    return dict(gradient_checkpointing=gradient_checkpointing, bf16=bf16, logging_steps=1,
+                save_strategy="steps", save_steps=save_steps, save_total_limit=1, seed=seed, data_seed=seed,
+                report_to=report_to)
+
+
+def check_scheduler(name: str, where: str) -> None:
+    """Fail in one line on a learning-rate scheduler transformers does not know."""
+    from transformers.trainer_utils import SchedulerType
+
+    if name not in {s.value for s in SchedulerType}:
+        raise PipelineError(f"{where}: unknown scheduler {name!r} (e.g. constant, cosine, linear)")
 
 
 def file_signature(folder: Path) -> list:

@@ -39,7 +39,7 @@ from parallel_r1.io import atomic_path
 from parallel_r1.models import check_model_dir, load_model
 from parallel_r1.prompts import chat_messages, render_prompt
 from parallel_r1.rewards import RewardConfig, build_reward
-from parallel_r1.training.checkpoints import file_signature, resume_point
+from parallel_r1.training.checkpoints import check_scheduler, file_signature, resume_point, trainer_arguments
 from parallel_r1.training.rollout import engine_for_trainer, make_rollout_func
 
 if TYPE_CHECKING:  # the trainer module imports TRL: loaded in train_rl (see _keep_trl_off_vllm)
@@ -204,12 +204,9 @@ def grpo_config(options: RLOptions, output_dir: str | os.PathLike, report_to: st
     "dr_grpo" divides by a fixed max length. Advantages are normalised by the group std
     (`scale_rewards="group"`), as VERL's GRPO estimator does.
     """
-    from transformers.trainer_utils import SchedulerType
     from trl import GRPOConfig
 
-    if options.lr_scheduler not in {s.value for s in SchedulerType}:
-        raise PipelineError(f"params.yaml rl.lr_scheduler: unknown scheduler {options.lr_scheduler!r} "
-                            "(e.g. constant, cosine, linear)")
+    check_scheduler(options.lr_scheduler, "params.yaml rl.lr_scheduler")
     layout = batch_layout(options, processes)
     engine = options.resolved_engine()
     vllm = {}
@@ -241,15 +238,8 @@ def grpo_config(options: RLOptions, output_dir: str | os.PathLike, report_to: st
         temperature=options.temperature,
         top_p=options.top_p,
         max_completion_length=options.max_completion_tokens,
-        gradient_checkpointing=options.gradient_checkpointing,
-        bf16=bf16,
-        logging_steps=1,
-        save_strategy="steps",
-        save_steps=options.save_steps,
-        save_total_limit=1,
-        seed=options.seed,
-        data_seed=options.seed,
-        report_to=report_to,
+        **trainer_arguments(save_steps=options.save_steps, seed=options.seed, report_to=report_to, bf16=bf16,
+                            gradient_checkpointing=options.gradient_checkpointing),
         **vllm,
     )
 

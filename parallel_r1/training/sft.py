@@ -46,7 +46,7 @@ from parallel_r1.io import atomic_path
 from parallel_r1.models import load_model
 from parallel_r1.prompts import render_prompt
 from parallel_r1.structure import Structure, TagIds, attention_inputs, build_structure
-from parallel_r1.training.checkpoints import file_signature, resume_point
+from parallel_r1.training.checkpoints import check_scheduler, file_signature, resume_point, trainer_arguments
 
 Variant = Literal["seen", "unseen"]
 VARIANTS: tuple[str, ...] = ("seen", "unseen")
@@ -196,12 +196,9 @@ def install_structured_attention(model: torch.nn.Module, attn_implementation: st
 def sft_config(options: SFTOptions, output_dir: str | os.PathLike, eos_token: str, report_to: str | list[str] = "none",
                bf16: bool = False, processes: int = 1):
     """TRL SFTConfig for `options`: completion-only loss, per-step logs, checkpoints every save_steps."""
-    from transformers.trainer_utils import SchedulerType
     from trl import SFTConfig
 
-    if options.lr_scheduler not in {s.value for s in SchedulerType}:
-        raise PipelineError(f"params.yaml sft.lr_scheduler: unknown scheduler {options.lr_scheduler!r} "
-                            f"(e.g. cosine, linear, constant_with_warmup)")
+    check_scheduler(options.lr_scheduler, "params.yaml sft.lr_scheduler")
     flex = options.structured and options.attention_backend == "flex"
     return SFTConfig(
         output_dir=str(output_dir),
@@ -216,15 +213,8 @@ def sft_config(options: SFTOptions, output_dir: str | os.PathLike, eos_token: st
         completion_only_loss=True,
         eos_token=eos_token,
         pad_to_multiple_of=128 if flex else None,  # fewer shapes for the compiled BlockMask
-        gradient_checkpointing=options.gradient_checkpointing,
-        bf16=bf16,
-        logging_steps=1,
-        save_strategy="steps",
-        save_steps=options.save_steps,
-        save_total_limit=1,
-        seed=options.seed,
-        data_seed=options.seed,
-        report_to=report_to,
+        **trainer_arguments(save_steps=options.save_steps, seed=options.seed, report_to=report_to, bf16=bf16,
+                            gradient_checkpointing=options.gradient_checkpointing),
     )
 
 
