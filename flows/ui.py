@@ -134,12 +134,14 @@ def main() -> None:
     services: list[Service] = []
     interrupted = False
     try:
+        launched = time.monotonic()
         services.append(start("Prefect server", prefect_server_command(prefect_port), server_env(root), root,
                               f"http://{HOST}:{prefect_port}/api/health", logs / "prefect-server.log"))
         services.append(start("MLflow server", mlflow_server_command(mlflow_port, root), mlflow_server_env(root),
                               root, f"http://{HOST}:{mlflow_port}/health", logs / "mlflow-server.log"))
-        for service in services:
+        for service in services:  # both start at once: each line is its own start-up time
             wait_healthy(service)
+            print(f"{service.name} healthy {time.monotonic() - launched:.1f} s after launch", flush=True)
         services.append(start("deployments", [sys.executable, "-m", "flows.serve"],
                               server_env(root, prefect_port, mlflow_port), root))
         print(f"Prefect UI: http://{HOST}:{prefect_port}\nMLflow UI:  http://{HOST}:{mlflow_port}\n"
