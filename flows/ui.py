@@ -129,7 +129,10 @@ def main() -> None:
     for port, env_name in ((prefect_port, PREFECT_PORT_ENV), (mlflow_port, MLFLOW_PORT_ENV)):
         if not port_free(port):
             sys.exit(f"error: port {port} on {HOST} is in use (choose another with {env_name}=...)")
-    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops like Ctrl-C, even during start-up
+    # Ctrl-C and SIGTERM stop everything, even during start-up; SIGINT is set explicitly because a
+    # process launched from a background job (`make ui &`, CI scripts) inherits it ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _interrupt)
     logs = root / ".prefect" / "logs"
     services: list[Service] = []
     interrupted = False

@@ -268,10 +268,14 @@ def test_failing_stage_fails_the_flow_with_its_error_line_and_no_retry(toy, pref
 @pytest.mark.server
 @pytest.mark.slow
 def test_served_deployments_are_listed_and_a_triggered_run_completes(prefect_api):
-    with get_client(sync_client=True) as client:
-        names = {client.read_flow(deployment.flow_id).name + "/" + deployment.name
-                 for deployment in client.read_deployments()}
-    assert {"reproduce/parallel-r1", "sweep/parallel-r1"} <= names
+    wanted, names = {"reproduce/parallel-r1", "sweep/parallel-r1"}, set()
+    deadline = time.monotonic() + START_TIMEOUT_S  # `flows.serve` registers them after the servers are up
+    while not wanted <= names and time.monotonic() < deadline:
+        time.sleep(1)
+        with get_client(sync_client=True) as client:
+            names = {client.read_flow(deployment.flow_id).name + "/" + deployment.name
+                     for deployment in client.read_deployments()}
+    assert wanted <= names
     flow_run = run_deployment("reproduce/parallel-r1", parameters={"targets": ["prepare_data"]}, timeout=600,
                               poll_interval=2, as_subflow=False)
     assert flow_run.state.type == StateType.COMPLETED, flow_run.state.message
