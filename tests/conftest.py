@@ -1,4 +1,4 @@
-"""Shared fixtures: where the data mirror is, and a small tiny model built once per session."""
+"""Shared fixtures: where the data mirror is, and the real Qwen3 tokenizer (with the tags) once per session."""
 
 from __future__ import annotations
 
@@ -16,6 +16,21 @@ def mirror() -> Path:
     if not (MIRROR / "gsm8k" / "train.jsonl").is_file():
         pytest.skip(f"data mirror not found at {MIRROR}")
     return MIRROR
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The real Qwen3 tokenizer with the six tags; tests must not modify it."""
+    from parallel_r1.models import load_tokenizer, qwen3_tokenizer_dir
+
+    return load_tokenizer(qwen3_tokenizer_dir())
+
+
+@pytest.fixture(scope="session")
+def tags(tokenizer):
+    from parallel_r1.structure import TagIds
+
+    return TagIds.from_tokenizer(tokenizer)
 
 
 def copy_repo(destination: Path, mirror_dir: Path | None = None) -> Path:

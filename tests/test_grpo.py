@@ -22,7 +22,7 @@ from transformers import TrainerCallback
 from parallel_r1.engine import vllm_available
 from parallel_r1.errors import PipelineError
 from parallel_r1.io import read_json, write_jsonl
-from parallel_r1.models import TinyModelConfig, build_tiny_model, load_model, load_tokenizer, qwen3_tokenizer_dir
+from parallel_r1.models import TinyModelConfig, build_tiny_model, load_model
 from parallel_r1.rewards import RewardConfig, build_reward
 from parallel_r1.structure import TagIds, attention_inputs, build_structure
 from parallel_r1.training.grpo import RLOptions, batch_layout, grpo_config, rl_dataset, train_rl
@@ -46,16 +46,6 @@ RUN = {"init": "base", "dataset": "gsm8k", "reward": "parallel_only", "variant":
 
 def options(rl=None, snapshot_every=None, **run) -> RLOptions:
     return RLOptions.from_sections("test_run", rl or RL, {**RUN, **run}, snapshot_every=snapshot_every)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(qwen3_tokenizer_dir())
-
-
-@pytest.fixture(scope="module")
-def tags(tokenizer):
-    return TagIds.from_tokenizer(tokenizer)
 
 
 @pytest.fixture(scope="module")

@@ -9,15 +9,10 @@ from transformers import AutoTokenizer
 from parallel_r1.errors import PipelineError
 from parallel_r1.format import TAGS
 from parallel_r1.models import (TinyModelConfig, build_tiny_model, check_model_dir, load_model,
-                                load_tokenizer, prepare_base_model, qwen3_tokenizer_dir)
+                                prepare_base_model, qwen3_tokenizer_dir)
 
 SMALL = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                         num_key_value_heads=1, head_dim=16)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(qwen3_tokenizer_dir())
 
 
 def test_tags_are_single_special_tokens(tokenizer):

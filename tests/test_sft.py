@@ -15,8 +15,7 @@ from parallel_r1.data import load_teacher_demos
 from parallel_r1.errors import PipelineError
 from parallel_r1.format import check_format
 from parallel_r1.io import read_json, write_jsonl
-from parallel_r1.models import TinyModelConfig, build_tiny_model, load_model, load_tokenizer, prepare_base_model, \
-    qwen3_tokenizer_dir
+from parallel_r1.models import TinyModelConfig, build_tiny_model, load_model, load_tokenizer, prepare_base_model
 from parallel_r1.prompts import render_prompt
 from parallel_r1.structure import TagIds, build_structure
 from parallel_r1.training.sft import ParallelSFTCollator, SFTOptions, batch_structure, install_structured_attention, \
@@ -28,16 +27,6 @@ SFT_PARAMS = dict(batch_size=2, per_device_batch_size=1, lr=1e-2, weight_decay=0
                   lr_scheduler="constant", max_length=288, max_steps={"seen": 4, "unseen": 4},
                   attention_backend="dense", gradient_checkpointing=False, save_steps=2,
                   probe_questions=2, probe_max_tokens=8)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(qwen3_tokenizer_dir())
-
-
-@pytest.fixture(scope="module")
-def tags(tokenizer):
-    return TagIds.from_tokenizer(tokenizer)
 
 
 @pytest.fixture(scope="module")
