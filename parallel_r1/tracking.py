@@ -171,21 +171,17 @@ def stage_run(stage: str, config: str | None = None, params: Mapping[str, Any] |
         return
     _STATE.stage_run_id = run_id
     _set_env(_CALLBACK_ENV)
-    status = "FAILED"
+    error: BaseException | None = None
     try:
         yield run_id
-        status = "FINISHED"
-    except KeyboardInterrupt:
-        status = "KILLED"
-        raise
-    except SystemExit as exit_:
-        status = "FINISHED" if exit_.code in (0, None) else "FAILED"
+    except BaseException as err:
+        error = err
         raise
     finally:
         _set_env(saved)
         _STATE.stage_run_id = None
         _guard("flush async logging", lambda: _mlflow().flush_async_logging())
-        _guard("end the stage run", lambda: _mlflow().end_run(status=status))
+        _guard("end the stage run", lambda: _mlflow().end_run(status=_end_status(error)))
 
 
 @contextlib.contextmanager
@@ -198,16 +194,15 @@ def parent_run(name: str, params: Mapping[str, Any] | None = None, tags: Mapping
     """
     all_tags = {TAG_GIT_COMMIT: git_commit(), **{k: str(v) for k, v in (tags or {}).items() if v is not None}}
     run_id = _create_run(name, params, all_tags, parent_run_id, experiment)
-    status = "FAILED"
+    error: BaseException | None = None
     try:
         yield run_id
-        status = "FINISHED"
-    except KeyboardInterrupt:
-        status = "KILLED"
+    except BaseException as err:
+        error = err
         raise
     finally:
         if run_id is not None:
-            _guard("end the run", lambda: _client().set_terminated(run_id, status=status))
+            _guard("end the run", lambda: _client().set_terminated(run_id, status=_end_status(error)))
 
 
 def child_env(run_id: str | None, env: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -297,6 +292,13 @@ def run_url(run_id: str) -> str | None:
         return None
     run = _guard("read the run", lambda: _client().get_run(run_id))
     return f"{uri.rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}" if run else None
+
+
+def _end_status(error: BaseException | None) -> str:
+    """How a run ends: FINISHED (no error, or exit code 0), KILLED (Ctrl-C), else FAILED."""
+    if error is None or (isinstance(error, SystemExit) and error.code in (0, None)):
+        return "FINISHED"
+    return "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED"
 
 
 def _tracking_section(params: Mapping[str, Any] | None) -> Mapping[str, Any]:

@@ -108,6 +108,16 @@ def test_stage_failure_ends_the_run_failed_and_the_error_goes_on(local_store):
     assert run.info.status == "FAILED" and run.info.run_name == "filter"
 
 
+@pytest.mark.parametrize(("error", "status"), [(SystemExit(0), "FINISHED"), (SystemExit(1), "FAILED"),
+                                               (KeyboardInterrupt(), "KILLED")])
+def test_stage_and_parent_runs_end_with_the_status_of_how_the_block_left(local_store, error, status):
+    for run_context in (tracking.stage_run("validate", params=PARAMS), tracking.parent_run("flow", params=PARAMS)):
+        with pytest.raises(type(error)):
+            with run_context as run_id:
+                raise error
+        assert MlflowClient(local_store).get_run(run_id).info.status == status
+
+
 @pytest.mark.server
 @pytest.mark.slow
 def test_stage_run_lands_on_the_server_under_its_parent_with_params_tags_and_metrics(mlflow_server, local_store,
