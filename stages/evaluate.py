@@ -88,7 +88,7 @@ def tracked_metrics(benchmark: str, metrics: dict) -> dict[str, float]:
             if isinstance(value, (int, float)) and not isinstance(value, bool)}
 
 
-def run_tags(model: str, params: dict) -> dict[str, str | None]:
+def model_tags(model: str, params: dict) -> dict[str, str | None]:
     """Variant and reward schedule of the model, so MLflow can group evaluations like RL runs."""
     run = params.get("rl_runs", {}).get(model, {})
     prompt, structured, parallel = rollout_mode(model, params)
@@ -98,7 +98,7 @@ def run_tags(model: str, params: dict) -> dict[str, str | None]:
 
 def evaluate_model(model: str, params: dict) -> None:
     folder = Path("models") / model
-    with tracking.stage_run("evaluate", model, params, tags=run_tags(model, params)):
+    with tracking.stage_run("evaluate", model, params, tags=model_tags(model, params)):
         for name, (metrics, rows) in evaluate_folder(model, folder, benchmark_ks(params), params).items():
             write_json(f"metrics/eval/{model}/{name}.json", metrics)
             write_jsonl(f"data/samples/{model}/{name}.jsonl", rows)
@@ -115,7 +115,7 @@ def evaluate_curve(run: str, params: dict) -> None:
     if not snapshots:
         raise PipelineError(f"models/{run}/steps: no step snapshots to evaluate (did rl@{run} export them?)")
     points = []
-    with tracking.stage_run(f"{run}_curve", params=params, tags=run_tags(run, params)):  # DVC: scaffold_curve
+    with tracking.stage_run(f"{run}_curve", params=params, tags=model_tags(run, params)):  # DVC: scaffold_curve
         for folder in snapshots:
             step = int(folder.name.split("-")[1])
             metrics, _ = evaluate_folder(run, folder, {benchmark: k}, params)[benchmark]

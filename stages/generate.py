@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     if limit is not None and limit < 0:
         raise PipelineError(f"params.yaml generate.datasets.{name}.limit: must be >= 0, got {limit}")
     mirror = section(params, "data").get("mirror_dir")
-    tags = {"source": spec.get("source"), "teacher": gen.get("teacher")}
+    tags = {"source": spec.get("source"), "teacher": gen.get("teacher") if spec.get("source") == "model" else None}
     with tracking.stage_run("generate", name, params, tags=tags):
         tokenizer = load_tokenizer(BASE_MODEL)
         if spec.get("source") == "released":

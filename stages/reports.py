@@ -100,9 +100,9 @@ def main(argv: list[str] | None = None) -> None:
     params = load_params()
     with tracking.stage_run(args.report, params=params):  # the run is named like the DVC stage
         out = build(args.report, params)
-        for path in (out, out.with_suffix(".png")):
-            if path.exists():
-                tracking.log_artifact(path)
+        tracking.log_artifact(out)
+        if args.report == "reward_schedules":  # the comparison comes with its plot
+            tracking.log_artifact(out.with_suffix(".png"))
     print(f"wrote {out}")
 
 
