@@ -1,21 +1,38 @@
-"""Resumable training runs shared by SFT and GRPO: run fingerprints and the last checkpoint.
+"""Resumable training runs shared by SFT and GRPO: run fingerprints and the last complete checkpoint.
 
 A checkpoint folder holds `run.json`, the fingerprint of what its checkpoints were trained
 from (options, data, the starting model's files). Re-running with the same fingerprint
-resumes from the last `checkpoint-N`; any other re-run clears the folder and starts afresh,
-so a changed param never continues a stale run.
+resumes from the newest *complete* `checkpoint-N`; any other re-run clears the folder and
+starts afresh, so a changed param never continues a stale run.
+
+Why "complete": the Trainer writes `checkpoint-N` in place (weights, optimizer, scheduler,
+RNG states, `trainer_state.json` last) and only then deletes the older one. A `kill -9`
+during a save (minutes at paper scale) leaves a newest folder without its trainer state,
+and one during the rotation leaves an older folder half deleted; resuming from either
+crashes the Trainer. Both are skipped (and removed), and the newest whole one is used.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 from parallel_r1.errors import PipelineError
+from parallel_r1.io import write_json
 
 RUN_RECORD = "run.json"
+CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")   # transformers' PREFIX_CHECKPOINT_DIR folders
+TRAINER_STATE = "trainer_state.json"                 # written last by Trainer._save_checkpoint
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json", "adapter_model.safetensors", "adapter_model.bin")
+OPTIMIZER_FILES = ("optimizer.pt", "optimizer.bin")
+# Sharded saves: FSDP writes pytorch_model_fsdp_*/ and optimizer_*/ folders, DeepSpeed global_step*/
+# (which also holds the weights under ZeRO-3, when no model file is written).
+SHARDED_WEIGHT_DIRS = ("pytorch_model_fsdp", "global_step")
+SHARDED_OPTIMIZER_DIRS = ("optimizer", "global_step")
 
 
 def trainer_arguments(*, save_steps: int, seed: int, report_to: str | list[str], bf16: bool,
@@ -47,21 +64,78 @@ def as_record(fingerprint: dict[str, Any]) -> dict:
     return json.loads(json.dumps(fingerprint))
 
 
+def _has_dir(folder: Path, prefixes: tuple[str, ...]) -> bool:
+    return any(p.is_dir() and p.name.startswith(prefixes) for p in folder.iterdir())
+
+
+def _has_weights(folder: Path) -> bool:
+    """Weights are there: a weights file (every shard of an index) or a sharded-save folder."""
+    for name in WEIGHT_FILES:
+        path = folder / name
+        if not path.is_file():
+            continue
+        if not name.endswith(".index.json"):
+            return True
+        try:
+            shards = set(json.loads(path.read_text(encoding="utf-8"))["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return False
+        return all((folder / shard).is_file() for shard in shards)
+    return _has_dir(folder, SHARDED_WEIGHT_DIRS)
+
+
+def is_complete_checkpoint(folder: Path) -> bool:
+    """Whether `folder` holds weights, optimizer state and a readable trainer state of its own step."""
+    match = CHECKPOINT_NAME.match(folder.name)
+    if match is None or not folder.is_dir():
+        return False
+    try:
+        step = json.loads((folder / TRAINER_STATE).read_text(encoding="utf-8")).get("global_step")
+    except (OSError, ValueError, AttributeError):
+        return False
+    has_optimizer = (any((folder / name).is_file() for name in OPTIMIZER_FILES)
+                     or any(folder.glob(f"rank*-of-*-{OPTIMIZER_FILES[0]}"))
+                     or _has_dir(folder, SHARDED_OPTIMIZER_DIRS))
+    return step == int(match.group(1)) and has_optimizer and _has_weights(folder)
+
+
+def last_complete_checkpoint(checkpoint_dir: Path) -> tuple[Path | None, list[Path]]:
+    """(newest complete checkpoint or None, the incomplete `checkpoint-N` folders beside it)."""
+    if not checkpoint_dir.is_dir():
+        return None, []
+    found = sorted((p for p in checkpoint_dir.iterdir() if p.is_dir() and CHECKPOINT_NAME.match(p.name)),
+                   key=lambda p: int(CHECKPOINT_NAME.match(p.name).group(1)))
+    complete = [p for p in found if is_complete_checkpoint(p)]
+    return (complete[-1] if complete else None), [p for p in found if p not in complete]
+
+
+def _read_record(record: Path) -> Any:
+    """run.json's fingerprint; None when missing or unreadable (then the run starts afresh)."""
+    try:
+        return json.loads(record.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
 def resume_point(checkpoint_dir: Path, fingerprint: dict, state) -> str | None:
-    """The last checkpoint of a run with the same fingerprint; else clear the folder for a fresh run.
+    """The newest complete checkpoint of a run with the same fingerprint; else clear the folder.
 
-    `state` is accelerate's PartialState: every process agrees before the main one clears.
+    Incomplete checkpoints (a save or a rotation cut short) are removed, so the Trainer never
+    resumes from one nor saves the same step into a folder holding stale files. `state` is
+    accelerate's PartialState: every process agrees before the main one changes anything.
     """
-    from transformers.trainer_utils import get_last_checkpoint
-
     fingerprint = as_record(fingerprint)
     record = checkpoint_dir / RUN_RECORD
-    same_run = record.is_file() and json.loads(record.read_text(encoding="utf-8")) == fingerprint
-    last = get_last_checkpoint(str(checkpoint_dir)) if same_run else None
+    same_run = _read_record(record) == fingerprint
+    last, incomplete = last_complete_checkpoint(checkpoint_dir) if same_run else (None, [])
     state.wait_for_everyone()
-    if not same_run and state.is_main_process:
-        shutil.rmtree(checkpoint_dir, ignore_errors=True)
-        checkpoint_dir.mkdir(parents=True)
-        record.write_text(json.dumps(fingerprint), encoding="utf-8")
+    if state.is_main_process:
+        if not same_run:
+            shutil.rmtree(checkpoint_dir, ignore_errors=True)
+            checkpoint_dir.mkdir(parents=True)
+            write_json(record, fingerprint)
+        for folder in incomplete:
+            print(f"{folder}: incomplete checkpoint (killed during a save?), removed")
+            shutil.rmtree(folder, ignore_errors=True)
     state.wait_for_everyone()
-    return last
+    return str(last) if last is not None else None
