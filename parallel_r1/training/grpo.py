@@ -1,11 +1,17 @@
 """GRPO with parallel rollouts (PAPER.md stages 4-7) on TRL's GRPOTrainer.
 
 One RL configuration = an init model, a prompt set, a reward schedule, a variant and a prompt
-style (params.yaml `rl_runs`). Per optimizer step GRPO samples `batch_size` prompts x
+style (params.yaml `rl_runs`). Per step GRPO samples `batch_size` prompts x
 `num_generations` rollouts through the project's rollout engine (TRL's `rollout_func`: the
 official fork at `<Parallel>`, or one plain sequence for the GRPO baselines), scores them with
-`rewards.build_reward(name)` (schedules read `trainer_state.global_step`), normalises the
-rewards per prompt group and makes ONE clipped policy-gradient update (no KL, no warm-up).
+`rewards.build_reward(name)`, normalises the rewards per prompt group and splits the batch into
+`batch_size / mini_batch_size` mini-batches, one clipped policy-gradient update each (no KL, no
+warm-up), as the official VERL scripts do (256 prompts, mini-batch 128: 2 updates per step). The
+first update's ratio is 1; from the second on the policy has moved, so the clip acts.
+
+A "step" is one rollout batch everywhere in this module and in params.yaml (max_steps,
+save_steps, snapshot_every, the reward schedules' windows and switch step, steps.json); TRL's
+`global_step` counts optimizer updates, `updates_per_step` of them per step.
 
 Seen recomputes log-probs with causal attention (the stock trainer). Unseen recomputes them
 with the path-window mask and multiverse positions (`ParallelGRPOTrainer`), so a path's tokens
@@ -49,7 +55,7 @@ Variant = Literal["seen", "unseen"]
 EngineKind = Literal["auto", "vllm", "transformers"]
 SNAPSHOTS = "snapshots"  # scaffold snapshots, staged beside the checkpoints, moved to <model>/steps/
 RUN_KEYS = ("init", "dataset", "reward", "variant", "prompt", "parallel", "epsilon_high", "snapshots")
-DATASET_KEYS = ("batch_size", "num_generations", "max_steps")
+DATASET_KEYS = ("batch_size", "num_generations", "max_steps", "mini_batch_size")
 # Not part of a run's identity: changing them continues the same run from its last checkpoint.
 RESUMABLE_FIELDS = ("max_steps", "save_steps")
 
@@ -69,9 +75,11 @@ class RLOptions:
         epsilon_high: upper clip (DAPO clip-higher; S2 and scaffold use 0.28), else = epsilon.
         snapshots: export a model every `snapshot_every` steps (the stage passes
             evaluate.scaffold_curve.every) to `models/<run>/steps/step-<n>/`.
-    Batch shape (rl.datasets.<dataset>):
-        batch_size: prompts per optimizer step (B); num_generations: rollouts per prompt (G);
-        max_steps: optimizer updates. One step = B x G rollouts -> one update.
+    Batch shape (rl.datasets.<dataset>, or rl for every dataset):
+        batch_size: prompts per step (B); num_generations: rollouts per prompt (G);
+        mini_batch_size: prompts per optimizer update (VERL's ppo_mini_batch_size; None = B), so a
+            step makes B / mini_batch_size updates; max_steps: steps (rollout batches), the count
+            the paper's "300 updates" and the reward schedules use.
     Optimisation (rl): lr with `lr_scheduler` and `warmup_ratio` (1e-6, constant, none); beta: KL
         weight (0 = no reference model); epsilon: lower clip (0.2).
     Rollouts (rl): temperature, top_p; max_prompt_tokens (longer prompts are dropped from the set,
@@ -80,7 +88,10 @@ class RLOptions:
         "transformers" decodes with the live policy (exact structured attention, no weight sync),
         "vllm" uses TRL's own vLLM (`vllm_mode` colocate: the LLM TRL creates and keeps in sync;
         server: `trl vllm-serve` at `vllm_server_base_url`; vllm_gpu_memory_utilization is vLLM's share
-        of each GPU in colocate mode), "auto" = vllm when CUDA and vLLM are there, else transformers.
+        of each GPU in colocate mode), "auto" = `engine.resolve_engine` (vLLM on CUDA, else transformers).
+        vllm_importance_sampling_correction: TRL's truncated-IS weight exp(sum(train - sampling
+        log-probs)) per sequence. Off: forked rollouts are never re-scored in the context they were
+        sampled in (see `grpo_config`), so the weight would punish exactly the parallel responses.
     Compute: per_device_batch_size completions per forward/backward micro-batch;
         gradient_checkpointing; save_steps: checkpoint interval; seed (params.yaml `seed`).
     """
@@ -95,6 +106,7 @@ class RLOptions:
     batch_size: int = field(metadata={"min": 1})
     num_generations: int = field(metadata={"min": 2})
     max_steps: int = field(metadata={"min": 1})
+    mini_batch_size: int | None = field(default=None, metadata={"min": 1})
     lr: float = field(default=1.0e-6, metadata={"min": 0})
     lr_scheduler: str = "constant"
     warmup_ratio: float = field(default=0.0, metadata={"min": 0})
@@ -111,6 +123,7 @@ class RLOptions:
     vllm_mode: Literal["colocate", "server"] = "colocate"
     vllm_server_base_url: str | None = None
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"min": 0})
+    vllm_importance_sampling_correction: bool = False
     per_device_batch_size: int = field(default=8, metadata={"min": 1})
     save_steps: int = field(default=25, metadata={"min": 1})
     gradient_checkpointing: bool = True
@@ -145,31 +158,41 @@ class RLOptions:
         build_reward(options.reward)  # an unknown schedule fails here, before any model is loaded
         return options
 
+    def __post_init__(self) -> None:
+        mini = self.mini_batch_size
+        if mini is not None and (mini > self.batch_size or self.batch_size % mini):
+            raise PipelineError(f"params.yaml rl.datasets.{self.dataset}.mini_batch_size: {mini} does not divide "
+                                f"batch_size {self.batch_size} (updates per step = batch_size / mini_batch_size)")
+
     @property
     def structured(self) -> bool:
         return self.variant == "unseen"
 
-    def resolved_engine(self) -> str:
-        """"vllm" or "transformers": auto means vLLM only where TRL can sync its weights (CUDA)."""
-        if self.engine != "auto":
-            return self.engine
-        from parallel_r1.engine import vllm_available
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer updates per rollout batch: batch_size / mini_batch_size."""
+        return self.batch_size // (self.mini_batch_size or self.batch_size)
 
-        return "vllm" if torch.cuda.is_available() and vllm_available() else "transformers"
+    def resolved_engine(self) -> str:
+        """"vllm" or "transformers", by the one rule of `engine.resolve_engine`."""
+        from parallel_r1.engine import resolve_engine
+
+        return resolve_engine(self.engine)
 
 
 @dataclass(frozen=True)
 class BatchLayout:
-    """How "B prompts x G rollouts, one update per step" maps onto GRPOConfig.
+    """How "B prompts x G rollouts, B / mini_batch_size updates per step" maps onto GRPOConfig.
 
     TRL 1.16 generates `generation_batch_size` = per_device_train_batch_size x processes x
-    steps_per_generation completions at once, splits them into `steps_per_generation` micro-batches
-    of per_device_train_batch_size per process, and steps the optimizer every
-    gradient_accumulation_steps micro-batches. With steps_per_generation = gradient_accumulation_steps
-    and num_iterations = 1, one generation (B x G completions: B prompts, each repeated G times by
-    TRL's sampler) feeds exactly one optimizer update, as VERL does with ppo_mini_batch = train batch
-    and one PPO epoch (the ratio is then 1 at the update, so the clip only bounds the gradient of a
-    second update that never happens -- on-policy GRPO, like the official runs).
+    steps_per_generation completions at once (B prompts, each repeated G times by TRL's sampler),
+    shuffles them, splits them into `steps_per_generation` micro-batches of
+    per_device_train_batch_size per process, and steps the optimizer every
+    gradient_accumulation_steps micro-batches. So steps_per_generation = updates x
+    gradient_accumulation_steps makes `updates` optimizer steps per generation, each on
+    mini_batch_size x G completions -- VERL's ppo_mini_batch_size with one PPO epoch. TRL then
+    keeps the generating policy's log-probs ("old"), so from the second update on the ratio
+    differs from 1 and epsilon / epsilon_high clip it; with one update the ratio is always 1.
     """
 
     per_device_train_batch_size: int
@@ -181,16 +204,19 @@ class BatchLayout:
 def batch_layout(options: RLOptions, processes: int = 1) -> BatchLayout:
     """The GRPOConfig batch fields for `options` on `processes` data-parallel processes."""
     completions = options.batch_size * options.num_generations
-    if completions % processes:
-        raise PipelineError(f"params.yaml rl.datasets.{options.dataset}: batch_size x num_generations = {completions} "
+    updates = options.updates_per_step
+    per_update = completions // updates
+    if per_update % processes:
+        size = "mini_batch_size" if updates > 1 else "batch_size"
+        raise PipelineError(f"params.yaml rl.datasets.{options.dataset}: {size} x num_generations = {per_update} "
                             f"completions do not split over {processes} processes")
-    per_process = completions // processes
+    per_process = per_update // processes
     micro = min(options.per_device_batch_size, per_process)  # a micro-batch cannot exceed a process's share
     if per_process % micro:
         raise PipelineError(f"params.yaml rl.per_device_batch_size: {micro} does not divide the {per_process} "
-                            f"completions each of {processes} process(es) gets per step")
+                            f"completions each of {processes} process(es) gets per update")
     accumulation = per_process // micro
-    return BatchLayout(micro, accumulation, accumulation, completions)
+    return BatchLayout(micro, accumulation, accumulation * updates, completions)
 
 
 def grpo_config(options: RLOptions, output_dir: str | os.PathLike, report_to: str | list[str] = "none",
@@ -202,7 +228,15 @@ def grpo_config(options: RLOptions, output_dir: str | os.PathLike, report_to: st
     `loss_agg_mode: token-mean`, which the official runs use. TRL's "grpo" would first average each
     sequence (long responses weigh less per token), "bnpo" averages per micro-batch only, and
     "dr_grpo" divides by a fixed max length. Advantages are normalised by the group std
-    (`scale_rewards="group"`), as VERL's GRPO estimator does.
+    (`scale_rewards="group"`), as VERL's GRPO estimator does. max_steps and save_steps are given
+    to TRL in optimizer updates (x updates_per_step), so checkpoints fall between rollout batches.
+
+    vLLM importance sampling is a param, off in every profile: TRL's correction weighs each
+    sequence by exp(sum(trainer log-prob - sampling log-prob)), masked above 3. A forked rollout is
+    never re-scored in the context it was sampled in (Seen: path 2 was sampled without seeing path
+    1, but is scored after it; Unseen on vLLM: the summary was sampled with causal positions), so
+    the weight collapses to ~0 or is masked exactly for the responses with parallel blocks. The
+    paper and the official VERL code apply no such correction.
     """
     from trl import GRPOConfig
 
@@ -212,6 +246,7 @@ def grpo_config(options: RLOptions, output_dir: str | os.PathLike, report_to: st
     vllm = {}
     if engine == "vllm":
         vllm = dict(use_vllm=True, vllm_mode=options.vllm_mode,
+                    vllm_importance_sampling_correction=options.vllm_importance_sampling_correction,
                     vllm_gpu_memory_utilization=options.vllm_gpu_memory_utilization,
                     vllm_max_model_length=options.max_prompt_tokens + options.max_completion_tokens)
         if options.vllm_mode == "server":
@@ -226,7 +261,7 @@ def grpo_config(options: RLOptions, output_dir: str | os.PathLike, report_to: st
         steps_per_generation=layout.steps_per_generation,
         num_generations=options.num_generations,
         num_iterations=1,
-        max_steps=options.max_steps,
+        max_steps=options.max_steps * options.updates_per_step,
         learning_rate=options.lr,
         lr_scheduler_type=options.lr_scheduler,
         warmup_steps=options.warmup_ratio,  # a float < 1 is a share of max_steps
@@ -238,8 +273,8 @@ def grpo_config(options: RLOptions, output_dir: str | os.PathLike, report_to: st
         temperature=options.temperature,
         top_p=options.top_p,
         max_completion_length=options.max_completion_tokens,
-        **trainer_arguments(save_steps=options.save_steps, seed=options.seed, report_to=report_to, bf16=bf16,
-                            gradient_checkpointing=options.gradient_checkpointing),
+        **trainer_arguments(save_steps=options.save_steps * options.updates_per_step, seed=options.seed,
+                            report_to=report_to, bf16=bf16, gradient_checkpointing=options.gradient_checkpointing),
         **vllm,
     )
 
@@ -356,10 +391,11 @@ def train_rl(options: RLOptions, init_dir: str | os.PathLike, rows: Sequence[Map
     config = grpo_config(options, checkpoint_dir, report_to, processes=state.num_processes,
                          bf16=torch.cuda.is_available() and dtype == "bfloat16")
     snapshot_dir = checkpoint_dir / SNAPSHOTS if options.snapshots else None
-    snapshotter = SnapshotCallback(snapshot_dir, options.snapshot_every) if snapshot_dir else None
-    first_step = _checkpoint_step(resumed_from)
+    updates = options.updates_per_step
+    snapshotter = SnapshotCallback(snapshot_dir, options.snapshot_every, updates) if snapshot_dir else None
+    first_step = _checkpoint_step(resumed_from) // updates  # checkpoints fall between rollout batches
     trainer = ParallelGRPOTrainer(
-        model=model, reward_funcs=[build_reward(options.reward, reward_config)], args=config,
+        model=model, reward_funcs=[build_reward(options.reward, reward_config, updates)], args=config,
         train_dataset=dataset, processing_class=tokenizer, structured=options.structured,
         rollout_func=rollout_function_for(options, engine, tokenizer, first_step, **(engine_options or {})),
         callbacks=[*([snapshotter] if snapshotter else []), *callbacks])
@@ -377,9 +413,11 @@ def train_rl(options: RLOptions, init_dir: str | os.PathLike, rows: Sequence[Map
         snapshots = _publish(staging, out_dir, snapshot_dir)
         shutil.rmtree(checkpoint_dir, ignore_errors=True)
     state.wait_for_everyone()
+    steps = trainer.state.global_step // updates
     return RLResult(
-        model_dir=out_dir, steps=trainer.state.global_step, steps_this_run=trainer.state.global_step - first_step,
-        history=step_records(trainer.state.log_history, options.reward, reward_config), resumed_from=resumed_from,
+        model_dir=out_dir, steps=steps, steps_this_run=steps - first_step,
+        history=step_records(trainer.state.log_history, options.reward, reward_config, updates),
+        resumed_from=resumed_from,
         train_seconds=train_seconds, rollout=trainer.rollout_stats, engine=engine, prompts=len(dataset),
         dropped_prompts=dropped, snapshots=snapshots, is_main_process=state.is_main_process)
 

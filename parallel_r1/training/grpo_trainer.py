@@ -102,21 +102,23 @@ class ParallelGRPOTrainer(GRPOTrainer):
 
 
 class SnapshotCallback(TrainerCallback):
-    """Every `every` optimizer steps, save the policy (safetensors + tokenizer) to `<folder>/step-<n>`.
+    """Every `every` steps (rollout batches of `updates_per_step` optimizer updates), save the policy
+    (safetensors + tokenizer) to `<folder>/step-<n>`, n counted in steps.
 
     Saved through `trainer.save_model` (all processes join, so sharded weights are gathered) to a
     hidden folder that the main process renames into place: a killed run leaves no half snapshot.
     """
 
-    def __init__(self, folder: str | os.PathLike, every: int) -> None:
-        self.folder, self.every = Path(folder), every
+    def __init__(self, folder: str | os.PathLike, every: int, updates_per_step: int = 1) -> None:
+        self.folder, self.every, self.updates_per_step = Path(folder), every, updates_per_step
         self.trainer: ParallelGRPOTrainer | None = None
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.trainer is None or state.global_step % self.every:
+        if self.trainer is None or state.global_step % (self.every * self.updates_per_step):
             return
-        target = self.folder / f"step-{state.global_step}"
-        staging = self.folder / f".step-{state.global_step}.partial"
+        step = state.global_step // self.updates_per_step
+        target = self.folder / f"step-{step}"
+        staging = self.folder / f".step-{step}.partial"
         save_policy(self.trainer, staging)
         if state.is_world_process_zero:
             if target.exists():
@@ -141,17 +143,18 @@ STEP_KEYS = ("step", "reward", "accuracy", "parallel_ratio", "parallel_position"
 
 
 def step_records(log_history: Iterable[Mapping[str, Any]], reward: str,
-                 reward_config: RewardConfig | None = None) -> list[dict]:
-    """One dict per optimizer step (the keys of STEP_KEYS) from the Trainer's log history.
+                 reward_config: RewardConfig | None = None, updates_per_step: int = 1) -> list[dict]:
+    """One dict per step (rollout batch; the keys of STEP_KEYS) from the Trainer's log history.
 
-    `reward_type` is the schedule's type at that step (the step whose batch the rewards scored);
-    `parallel_position` is None when no response of the step opened a block.
+    The rollout metrics are logged with the first of the step's `updates_per_step` optimizer
+    updates, so optimizer step u is step (u - 1) // updates_per_step + 1. `reward_type` is the
+    schedule's type at that step; `parallel_position` is None when no response opened a block.
     """
     records = []
     for entry in log_history:
         if "reward" not in entry or "step" not in entry:
             continue
-        step = int(entry["step"])
+        step = (int(entry["step"]) - 1) // updates_per_step + 1
         measured = {key: entry.get(key) for key in STEP_KEYS[1:-1]}
         records.append({"step": step, **measured, "reward_type": reward_type_at(reward, step, reward_config)})
     return records

@@ -1,0 +1,173 @@
+"""The paper-scale GRPO path: importance-sampling weight, mini-batch updates, engine rule, stop tokens.
+
+These pin the settings a GPU run depends on but a tiny CPU run would not notice: TRL's vLLM
+importance-sampling weight stays off (forked rollouts keep weight 1), a rollout batch feeds
+several optimizer updates (so the clip acts), `engine: auto` has one meaning, and rollouts
+stop at the chat template's end of turn. The tiny policy and `ForkSomeRollouts` come from
+test_grpo.py (a logits processor that makes some rollouts open `<Parallel>`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from parallel_r1.engine import resolve_engine, vllm_available
+from parallel_r1.errors import PipelineError
+from parallel_r1.models import load_model
+from parallel_r1.rewards import build_reward
+from parallel_r1.training.grpo import RLOptions, batch_layout, grpo_config, rl_dataset, rollout_function_for
+from parallel_r1.training.grpo_trainer import ParallelGRPOTrainer, step_records
+from stages.common import load_params
+from test_grpo import PROBLEMS, RL, ForkSomeRollouts, init_dir, options  # noqa: F401  (init_dir: fixture)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def trainer_with(opts: RLOptions, init_dir: Path, tmp_path: Path, tokenizer, callbacks=()) -> ParallelGRPOTrainer:
+    """The trainer train_rl builds, with the transformers engine and forced forks."""
+    model, _ = load_model(init_dir, attn_implementation="sdpa")
+    dataset, _ = rl_dataset(PROBLEMS, tokenizer, opts.prompt, opts.max_prompt_tokens)
+    return ParallelGRPOTrainer(
+        model=model, reward_funcs=[build_reward(opts.reward, updates_per_step=opts.updates_per_step)],
+        args=grpo_config(opts, tmp_path / "out"), train_dataset=dataset, processing_class=tokenizer,
+        structured=opts.structured, callbacks=list(callbacks),
+        rollout_func=rollout_function_for(opts, "transformers", tokenizer,
+                                          logits_processor=ForkSomeRollouts(tokenizer)))
+
+
+# ---------------------------------------------------------------------------------- 1. importance sampling
+
+
+@pytest.mark.parametrize("profile", ["paper", "tiny"])
+def test_vllm_importance_sampling_correction_is_off_in_every_profile(profile, tmp_path):
+    params = load_params(REPO / "params.yaml", profile)
+    assert params["rl"]["vllm_importance_sampling_correction"] is False
+    rl = {**params["rl"], "engine": "vllm"}
+    config = grpo_config(RLOptions.from_sections("grpo_dapo", rl, params["rl_runs"]["grpo_dapo"]), tmp_path)
+    assert config.use_vllm and config.vllm_importance_sampling_correction is False
+
+
+def test_forked_rollouts_keep_loss_weight_one_under_the_vllm_config(init_dir, tmp_path, tokenizer):
+    """TRL scores a vLLM batch with the project's config: no importance-sampling weight, so every
+    rollout, forked or not, enters the loss with weight 1. Under TRL's default the forked rollouts,
+    whose second path was sampled without seeing the first, get a weight far from 1."""
+    rl = {**RL, "datasets": {"gsm8k": {"batch_size": 2, "num_generations": 4, "max_steps": 1}}}
+    vllm_config = grpo_config(options({**rl, "engine": "vllm"}), tmp_path / "vllm")
+    trainer = trainer_with(options(rl), init_dir, tmp_path, tokenizer)
+    # Score as TRL does on its vLLM path (use_vllm decides the weight); the transformers engine generates.
+    trainer.use_vllm, trainer._last_loaded_step = True, trainer.state.global_step
+    batch = [trainer.train_dataset[i] for i in (0, 0, 0, 0, 1, 1, 1, 1)]
+    trainer.vllm_importance_sampling_correction = vllm_config.vllm_importance_sampling_correction
+    torch.manual_seed(0)
+    scored = trainer._generate_and_score_completions(batch)
+    forked = [bool((row == trainer.tags.parallel_open).any()) for row in scored["completion_ids"]]
+    assert any(forked) and not all(forked)
+    assert "importance_sampling_ratio" not in scored  # TRL multiplies the loss by nothing: weight 1
+
+    trainer.vllm_importance_sampling_correction = True  # TRL's default: sequence_mask, cap 3
+    torch.manual_seed(0)
+    scored = trainer._generate_and_score_completions(batch)
+    weights = scored["importance_sampling_ratio"][:, 0]
+    forked = torch.tensor([bool((row == trainer.tags.parallel_open).any()) for row in scored["completion_ids"]])
+    assert forked.any() and (weights[forked] - 1).abs().min() > 0.5
+
+
+# ---------------------------------------------------------------------------------- 2. mini-batch updates
+
+
+@pytest.mark.parametrize("batch, mini, generations, micro, processes, expected", [
+    (4, 2, 2, 8, 1, (4, 1, 2, 8)),           # 2 updates of 2 prompts x 2 rollouts
+    (512, 256, 8, 8, 8, (8, 32, 64, 4096)),  # DAPO on 8 GPUs: 2 updates of 2048 completions
+    (1024, 512, 5, 8, 8, (8, 40, 80, 5120)),  # GSM8K on 8 GPUs
+])
+def test_mini_batches_make_several_updates_per_rollout_batch(batch, mini, generations, micro, processes, expected):
+    rl = {**RL, "per_device_batch_size": micro, "datasets": {"gsm8k": {
+        "batch_size": batch, "mini_batch_size": mini, "num_generations": generations, "max_steps": 3}}}
+    opts = options(rl)
+    assert opts.updates_per_step == batch // mini
+    assert tuple(vars(batch_layout(opts, processes)).values()) == expected
+
+
+def test_paper_profile_makes_two_updates_per_step_and_counts_steps_in_rollout_batches(tmp_path):
+    params = load_params(REPO / "params.yaml", "paper")
+    for run in ("rl_gsm8k_seen", "parallel_r1_unseen_s2"):
+        opts = RLOptions.from_sections(run, params["rl"], params["rl_runs"][run])
+        config = grpo_config(opts, tmp_path)
+        assert opts.updates_per_step == 2
+        assert config.max_steps == 2 * opts.max_steps and config.save_steps == 2 * opts.save_steps
+        assert config.steps_per_generation == 2 * config.gradient_accumulation_steps
+
+
+def test_mini_batch_that_does_not_divide_the_batch_is_a_one_line_error():
+    rl = {**RL, "datasets": {"gsm8k": {"batch_size": 4, "mini_batch_size": 3, "num_generations": 2, "max_steps": 1}}}
+    with pytest.raises(PipelineError, match=r"rl.datasets.gsm8k.mini_batch_size: 3 does not divide batch_size 4"):
+        options(rl)
+
+
+def test_reward_schedule_counts_rollout_batches_not_optimizer_updates():
+    class State:
+        global_step = 0
+
+    reward = build_reward("alternating", updates_per_step=2)  # window 10: steps 9-10 tiered
+    steps = []
+    for update in range(0, 24, 2):  # TRL generates at updates 0, 2, 4, ...
+        State.global_step = update
+        steps.append(reward.step_of(State))
+    assert steps == list(range(1, 13))
+    history = [{"step": 1, "reward": 0.0}, {"step": 2, "loss": 0.1}, {"step": 3, "reward": 1.0}]
+    assert [r["step"] for r in step_records(history, "accuracy", updates_per_step=2)] == [1, 2]
+
+
+class RatioAtSecondUpdate(TrainerCallback):
+    """After the first update of a step, score the second mini-batch with the updated policy and
+    compare with the log-probs TRL kept from the policy that generated it (its "old" log-probs)."""
+
+    def __init__(self) -> None:
+        self.trainer: ParallelGRPOTrainer | None = None
+        self.deviation: float | None = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step != 1:
+            return
+        batch = self.trainer._buffered_inputs[1]
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        with torch.no_grad():
+            logps, _, _ = self.trainer._get_per_token_logps_and_entropies(
+                self.trainer.model, ids, mask, batch["completion_ids"].size(1))
+        ratio = torch.exp(logps - batch["old_per_token_logps"])[batch["completion_mask"].bool()]
+        self.deviation = float((ratio - 1).abs().max())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["seen", "unseen"])
+def test_second_update_of_a_rollout_batch_has_ratio_off_one_and_clips(variant, init_dir, tmp_path, tokenizer):
+    rl = {**RL, "lr": 0.05, "per_device_batch_size": 4,
+          "datasets": {"gsm8k": {"batch_size": 2, "mini_batch_size": 1, "num_generations": 4, "max_steps": 1}}}
+    opts = options(rl, variant=variant, epsilon_high=0.28)
+    probe = RatioAtSecondUpdate()
+    trainer = trainer_with(opts, init_dir, tmp_path, tokenizer, callbacks=[probe])
+    probe.trainer = trainer
+    torch.manual_seed(0)
+    trainer.train()
+    assert trainer.state.global_step == 2  # 1 step = 2 optimizer updates
+    first, second = (e for e in trainer.state.log_history if "loss" in e)
+    assert first["clip_ratio/region_mean"] == 0.0  # first update: ratio exactly 1
+    assert probe.deviation is not None and probe.deviation > 0.2
+    assert second["clip_ratio/region_mean"] > 0.0  # the clip acts on the second update
+    assert [r["step"] for r in step_records(trainer.state.log_history, "parallel_only", updates_per_step=2)] == [1]
+
+
+# ---------------------------------------------------------------------------------- 7. engine: auto
+
+
+def test_auto_engine_has_one_meaning_for_generation_training_and_evaluation():
+    expected = "vllm" if vllm_available() and torch.cuda.is_available() else "transformers"
+    assert resolve_engine("auto") == expected == options({**RL, "engine": "auto"}).resolved_engine()
+    assert resolve_engine("transformers") == "transformers" and resolve_engine("vllm") == "vllm"
+    with pytest.raises(PipelineError, match="unknown kind 'fast'"):
+        resolve_engine("fast")
