@@ -11,6 +11,7 @@ import copy
 import functools
 import os
 import sys
+from itertools import dropwhile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -37,7 +38,7 @@ def load_params(path: str | os.PathLike = PARAMS_FILE, profile: str | None = Non
     path = Path(path)
     if not path.is_file():
         raise PipelineError(f"{path}: file not found (run from the project root)")
-    raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    raw = read_params_yaml(path)
     profiles = raw.pop("profiles", {}) or {}
     profile = profile or raw.get("profile")
     if profile not in profiles:
@@ -57,7 +58,56 @@ def _anchor_mirror(params: dict[str, Any]) -> None:
     data = params.get("data")
     mirror = data.get("mirror_dir") if isinstance(data, dict) else None
     if mirror and not os.path.isabs(mirror):
-        data["mirror_dir"] = str((Path(os.environ.get("DVC_ROOT") or ".") / mirror).resolve())
+        root = Path(os.environ.get("DVC_ROOT") or ".")
+        data["mirror_dir"] = str((root / mirror).resolve())
+        link_mirror_for_temp_experiments(root, mirror)
+
+
+def link_mirror_for_temp_experiments(root: Path, mirror: str) -> None:
+    """Make a relative mirror resolve inside `dvc exp run --temp` workspaces too.
+
+    dvc.yaml names the mirror files as deps through `${data.mirror_dir}`, and DVC resolves them
+    from the stage's folder: DVC 3.67 runs a --temp experiment in
+    <root>/.dvc/tmp/exps/standalone/<tmp>/, where `../shared/data` means
+    .dvc/tmp/exps/standalone/shared/data. A symlink there to the real folder keeps the dep paths,
+    and so dvc.lock, the same as in the workspace (an absolute path would differ and rerun stages).
+    Made by every stage run and by the sweep flow (both read params here); a no-op elsewhere.
+    """
+    parts = Path(mirror).parts
+    ups = len(parts) - len(tuple(dropwhile(lambda part: part == "..", parts)))
+    experiments = root / ".dvc" / "tmp" / "exps" / "standalone"
+    if not (root / ".dvc").is_dir() or ups == 0 or ups > 4 or ups == len(parts):
+        return
+    link = (experiments / "tmp").parents[ups - 1] / parts[ups]
+    target = (root / Path(*parts[:ups + 1])).resolve()
+    try:
+        if link.is_symlink() and Path(os.readlink(link)) == target:
+            return
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if link.is_symlink():
+            link.unlink()
+        if not link.exists():
+            link.symlink_to(target, target_is_directory=True)
+    except OSError as err:   # never fail a stage over this; a --temp experiment would then say why
+        print(f"warning: cannot link {link} -> {target} for dvc exp run --temp ({err})", file=sys.stderr)
+
+
+def read_params_yaml(path: Path) -> dict[str, Any]:
+    """params.yaml as a mapping; a YAML syntax error is one line with the file, line and column."""
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise PipelineError(f"{path}: not valid UTF-8 (byte {err.start})") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise PipelineError(f"{where}: YAML syntax error ({problem})") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise PipelineError(f"{path}: expected a mapping of sections, got {type(raw).__name__}")
+    return raw
 
 
 def section(params: dict[str, Any], *keys: str) -> Any:
