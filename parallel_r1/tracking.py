@@ -75,10 +75,13 @@ _STATE = _State()
 
 
 def enabled() -> bool:
-    """False when env PARALLEL_R1_TRACKING is off/0/false/no, or when MLflow at the tracking
-    URI already failed in this process (one warning, then silence)."""
+    """False when env PARALLEL_R1_TRACKING is off/0/false/no, on every process but the main one of
+    a multi-process launch (env RANK, set by `accelerate launch` / torchrun, other than 0: one
+    stage, one run), or when MLflow at the tracking URI already failed in this process (one
+    warning, then silence)."""
     switch = os.environ.get(SWITCH_ENV, "on").strip().lower()
-    return switch not in {"off", "0", "false", "no"} and tracking_uri() not in _STATE.broken_uris
+    main_process = os.environ.get("RANK", "0").strip() in ("", "0")
+    return switch not in {"off", "0", "false", "no"} and main_process and tracking_uri() not in _STATE.broken_uris
 
 
 def project_root() -> Path:

@@ -11,7 +11,8 @@ A run starts from models/<init> and trains on data/rl/<dataset>.jsonl with its r
 run also models/<run>/steps/step-<n>/ every evaluate.scaffold_curve.every steps, for Figure 4),
 metrics/rl/<run>/steps.json (per step: reward, accuracy, parallel ratio, <Parallel> position,
 response length, blocks per response, reward type; a DVC plot) and metrics/rl/<run>/summary.json.
-Every step is also logged to the MLflow run `rl@<run>`. Checkpoints go to checkpoints/rl/<run>/
+Every step is also logged to the MLflow run `rl@<run>` (by the main process only: see tracking.enabled).
+Checkpoints go to checkpoints/rl/<run>/
 every rl.save_steps; re-running a killed run resumes from the last one.
 """
 

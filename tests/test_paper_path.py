@@ -171,3 +171,23 @@ def test_auto_engine_has_one_meaning_for_generation_training_and_evaluation():
     assert resolve_engine("transformers") == "transformers" and resolve_engine("vllm") == "vllm"
     with pytest.raises(PipelineError, match="unknown kind 'fast'"):
         resolve_engine("fast")
+
+
+# ---------------------------------------------------------------------------------- 8. MLflow on rank 0 only
+
+
+def test_only_the_main_process_of_a_launch_tracks(tmp_path, monkeypatch):
+    """`accelerate launch` sets RANK per process: rank 1 opens no run and gives the Trainer no MLflow."""
+    from parallel_r1 import tracking
+
+    monkeypatch.delenv(tracking.SWITCH_ENV, raising=False)
+    monkeypatch.delenv(tracking.PARENT_ENV, raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RANK", "1")
+    with tracking.stage_run("rl", "grpo_dapo", {"profile": "tiny"}) as run_id:
+        assert run_id is None and tracking.report_to() == "none"
+        tracking.log_metrics({"final_reward": 1.0})
+    assert not (tmp_path / "mlflow.db").exists()
+    monkeypatch.setenv("RANK", "0")
+    assert tracking.enabled()
