@@ -57,3 +57,21 @@ def render_prompt(tokenizer, question: str, style: PromptStyle = "parallel") -> 
     return tokenizer.apply_chat_template(
         chat_messages(question, style), tokenize=False, add_generation_prompt=True
     )
+
+
+def end_of_turn_ids(tokenizer) -> frozenset[int]:
+    """The token that closes an assistant turn in the tokenizer's chat template (Qwen: `<|im_end|>`).
+
+    Read off the template itself -- a one-turn conversation is rendered and the first token after
+    the assistant's text is taken when it is a special token -- so it holds for any init model,
+    including a base model whose EOS is `<|endoftext|>`. Empty when there is no chat template.
+    """
+    if getattr(tokenizer, "chat_template", None) is None:
+        return frozenset()
+    mark = "END-OF-TURN-PROBE"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": mark}],
+                                         tokenize=False)
+    if mark not in text:
+        return frozenset()
+    after = tokenizer(text[text.rindex(mark) + len(mark):], add_special_tokens=False)["input_ids"]
+    return frozenset(after[:1]) & frozenset(tokenizer.all_special_ids)

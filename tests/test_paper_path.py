@@ -191,3 +191,44 @@ def test_only_the_main_process_of_a_launch_tracks(tmp_path, monkeypatch):
     assert not (tmp_path / "mlflow.db").exists()
     monkeypatch.setenv("RANK", "0")
     assert tracking.enabled()
+
+
+# ---------------------------------------------------------------------------------- 6. end-of-turn stop
+
+
+def test_rollouts_of_a_base_model_stop_at_the_chat_templates_end_of_turn(init_dir, tokenizer):
+    """Qwen3-4B-Base's tokenizer ends text with `<|endoftext|>`; its chat-templated answers end
+    with `<|im_end|>`, which must end the rollout (and evaluation, which builds the same engine)."""
+    import copy
+
+    from parallel_r1.engine import RolloutConfig, stop_token_ids, transformers_engine
+    from parallel_r1.prompts import end_of_turn_ids, render_prompt
+
+    base = copy.deepcopy(tokenizer)
+    base.eos_token = "<|endoftext|>"
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert end_of_turn_ids(base) == {im_end} and base.eos_token_id != im_end
+    assert stop_token_ids(base) == {base.eos_token_id, im_end}
+
+    model, _ = load_model(init_dir)
+    prompt = base(render_prompt(base, "What is 2 + 3?"), add_special_tokens=False)["input_ids"]
+    forced = ForcedTurnEnd(len(prompt), im_end)
+    engine = transformers_engine(model, base, RolloutConfig(parallel=False, max_tokens=16), logits_processor=forced)
+    (rollout,) = engine.generate([prompt])
+    assert rollout.completion_ids[-1] == im_end and len(rollout.completion_ids) == 3
+    assert rollout.finish_reason == "stop" and not rollout.truncated
+
+
+class ForcedTurnEnd:
+    """Logits processor for one request: the third sampled token is `<|im_end|>`, never earlier."""
+
+    def __init__(self, prompt_length: int, im_end: int) -> None:
+        self.prompt_length, self.im_end = prompt_length, im_end
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.clone()
+        scores[:, self.im_end] = float("-inf")
+        if input_ids.shape[1] - self.prompt_length >= 2:
+            scores[:] = float("-inf")
+            scores[:, self.im_end] = 0.0
+        return scores

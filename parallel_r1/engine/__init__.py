@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Literal
+from typing import Literal, Sequence
 
 from parallel_r1.engine.base import Backend, Rollout, RolloutConfig, SegmentRequest, SegmentResult
 from parallel_r1.engine.loop import RolloutEngine, default_eos_ids
@@ -26,7 +26,8 @@ EngineKind = Literal["auto", "vllm", "transformers"]
 ENGINE_KINDS = ("auto", "vllm", "transformers")
 
 __all__ = ["Backend", "ENGINE_KINDS", "Rollout", "RolloutConfig", "RolloutEngine", "SegmentRequest",
-           "SegmentResult", "make_engine", "resolve_engine", "transformers_engine", "vllm_available"]
+           "SegmentResult", "make_engine", "resolve_engine", "stop_token_ids", "transformers_engine",
+           "vllm_available"]
 
 
 def vllm_available() -> bool:
@@ -50,13 +51,23 @@ def resolve_engine(kind: str) -> Literal["vllm", "transformers"]:
     return "vllm" if vllm_available() and torch.cuda.is_available() else "transformers"
 
 
+def stop_token_ids(tokenizer, generation_eos: int | Sequence[int] | None = None) -> frozenset[int]:
+    """Where a response ends: the tokenizer's and generation config's EOS, and the chat template's
+    end of turn. Prompts go through the chat template, so a model -- the base model too, whose EOS
+    is `<|endoftext|>` -- ends its answer with `<|im_end|>`; stopping only at EOS would run on
+    into a made-up next turn until the token cap."""
+    from parallel_r1.prompts import end_of_turn_ids
+
+    return default_eos_ids(tokenizer, generation_eos) | end_of_turn_ids(tokenizer)
+
+
 def transformers_engine(model, tokenizer, config: RolloutConfig, **backend_options) -> RolloutEngine:
     """An engine over an already-loaded model (GRPO passes the trainer's live policy)."""
     from parallel_r1.engine.hf import TransformersBackend
 
     backend = TransformersBackend(model, TagIds.from_tokenizer(tokenizer), tokenizer.pad_token_id, **backend_options)
     generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    return RolloutEngine(backend, tokenizer, config, default_eos_ids(tokenizer, generation_eos))
+    return RolloutEngine(backend, tokenizer, config, stop_token_ids(tokenizer, generation_eos))
 
 
 def make_engine(kind: EngineKind, model_path: str | os.PathLike, tokenizer, config: RolloutConfig,

@@ -81,11 +81,12 @@ class VLLMBackend:
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
 
     def eos_token_ids(self, tokenizer) -> frozenset[int]:
-        """The tokenizer's EOS plus the model's generation-config EOS ids, as vLLM read them."""
-        from parallel_r1.engine.loop import default_eos_ids
+        """The tokenizer's EOS, the model's generation-config EOS ids as vLLM read them, and the chat
+        template's end of turn (`engine.stop_token_ids`)."""
+        from parallel_r1.engine import stop_token_ids
 
         generation = self.llm.llm_engine.model_config.try_get_generation_config()
-        return default_eos_ids(tokenizer, generation.get("eos_token_id"))
+        return stop_token_ids(tokenizer, generation.get("eos_token_id"))
 
     def continue_batch(self, requests: Sequence[SegmentRequest]) -> list[SegmentResult]:
         from vllm import SamplingParams

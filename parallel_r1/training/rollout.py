@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Literal, Sequence
 
-from parallel_r1.engine import RolloutConfig, RolloutEngine, transformers_engine
+from parallel_r1.engine import RolloutConfig, RolloutEngine, stop_token_ids, transformers_engine
 from parallel_r1.errors import PipelineError
 from parallel_r1.prompts import PromptStyle, render_prompt
 
@@ -75,7 +75,7 @@ def engine_for_trainer(kind: Literal["transformers", "vllm"], tokenizer, config:
 
             url = generation.server_base_url or f"http://{generation.server_host}:{generation.server_port}"
             backend = VLLMServerBackend.connect(url, connection_timeout=generation.server_timeout)
-        return RolloutEngine(backend, tokenizer, seeded, trainer.eos_token_ids)
+        return RolloutEngine(backend, tokenizer, seeded, stop_token_ids(tokenizer, trainer.eos_token_ids))
 
     return factory
 
