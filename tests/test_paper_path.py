@@ -232,3 +232,89 @@ class ForcedTurnEnd:
             scores[:] = float("-inf")
             scores[:, self.im_end] = 0.0
         return scores
+
+
+# ---------------------------------------------------------------------------------- 5. server mode
+
+
+class CompletionsServer:
+    """A local HTTP server answering as vLLM's OpenAI completions endpoint does (token ids in and
+    out, `finish_reason` per choice), with the reply this test sets: the server side is not what
+    is tested, the backend's reading of it is."""
+
+    def __init__(self) -> None:
+        import http.server
+        import json
+        import threading
+
+        self.reply: tuple[list[int], str] = ([], "stop")
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _send(self, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._send({"data": [{"id": "policy"}]} if self.path == "/v1/models" else {})
+
+            def do_POST(self):
+                json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                tokens, reason = server.reply
+                names = [f"token_id:{t}" for t in tokens]
+                self._send({"choices": [{"token_ids": tokens, "finish_reason": reason, "prompt_token_ids": [1],
+                                         "logprobs": {"tokens": names, "token_logprobs": [-0.5] * len(tokens),
+                                                      "top_logprobs": [{n: -0.5} for n in names]}}]})
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+
+@pytest.mark.skipif(not vllm_available(), reason="TRL's VLLMClient needs vLLM importable")
+def test_server_segment_cut_by_the_length_limit_is_not_read_as_stopped():
+    from parallel_r1.engine.base import SegmentRequest
+    from parallel_r1.engine.vllm_server import VLLMServerBackend
+
+    server = CompletionsServer()
+    try:
+        backend = VLLMServerBackend.connect(server.url)
+        request = SegmentRequest(token_ids=(1, 2), max_new_tokens=10, stop_ids=frozenset({99}))
+        server.reply = ([5, 6, 7], "length")  # the server's max_model_len cut it before max_new_tokens
+        (cut,) = backend.continue_batch([request])
+        assert cut.token_ids == [5, 6, 7] and cut.logprobs == [-0.5] * 3 and not cut.stopped
+        server.reply = ([5, 6], "stop")  # the model's EOS as the server knows it
+        (stopped,) = backend.continue_batch([request])
+        assert stopped.stopped
+    finally:
+        server.httpd.shutdown()
+
+
+def test_server_mode_rollout_waits_for_every_process_first(tokenizer):
+    """Rank 0 pushes weights to `trl vllm-serve` in TRL's sync; the rollout must start after it on every rank."""
+    from types import SimpleNamespace
+
+    from parallel_r1.training.rollout import make_rollout_func
+
+    events = []
+
+    class Engine:
+        def generate(self, prompt_ids, n):
+            events.append("generate")
+            return []
+
+    trainer = SimpleNamespace(vllm_generation=SimpleNamespace(mode="server"),
+                              accelerator=SimpleNamespace(wait_for_everyone=lambda: events.append("barrier")))
+    rollout = make_rollout_func(lambda t: Engine(), tokenizer)
+    rollout(["What is 2 + 3?"], trainer)
+    assert events == ["barrier", "generate"]
+    trainer.vllm_generation.mode = "colocate"  # each process syncs its own LLM: no barrier needed
+    rollout(["What is 2 + 3?"], trainer)
+    assert events == ["barrier", "generate", "generate"]

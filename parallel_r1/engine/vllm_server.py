@@ -6,10 +6,12 @@ Start the server on the rollout node(s) with TRL (which adds the flags TRL needs
     trl vllm-serve --model models/sft_seen --tensor-parallel-size 2 --data-parallel-size 2
 
 and give the trainer `use_vllm=True, vllm_mode="server"`: TRL then pushes the policy weights to
-the server before every rollout, and `VLLMServerBackend(trainer.vllm_generation.vllm_client)`
-sends the segments. `VLLMClient.generate` takes token ids, passes `stop_token_ids`, `seed` and
-`logit_bias` through `generation_kwargs` and returns the sampled tokens' log-probs — all the
-fork loop needs. Like the offline vLLM backend it decodes with causal attention only.
+the server before every rollout (rank 0 only; the rollout function makes every rank wait for it),
+and each process's `VLLMServerBackend` sends the segments to the server's OpenAI completions
+endpoint, the request `VLLMClient.generate` sends (token ids in, `stop_token_ids`, `seed`,
+`logit_bias`, sampled log-probs out), but read here directly because TRL's client drops each
+choice's `finish_reason`: a segment cut by the server's length limit must not read as stopped.
+Like the offline vLLM backend it decodes with causal attention only.
 """
 
 from __future__ import annotations
@@ -41,24 +43,25 @@ class VLLMServerBackend:
         return cls(client, **options)
 
     def _one(self, request: SegmentRequest) -> SegmentResult:
+        from trl.generation.vllm_client import parse_logprobs
+
         if request.max_new_tokens <= 0:
             return SegmentResult([], [], False)
-        extra = {"stop_token_ids": sorted(request.stop_ids), "seed": request.seed, "skip_special_tokens": False}
+        payload = {"model": self.client.model, "prompt": [list(request.token_ids)], "n": 1,
+                   "temperature": request.temperature, "top_p": request.top_p, "max_tokens": request.max_new_tokens,
+                   "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
+                   "stop_token_ids": sorted(request.stop_ids), "seed": request.seed, "skip_special_tokens": False}
         if request.banned_ids:
-            extra["logit_bias"] = {str(t): BAN_BIAS for t in request.banned_ids}
+            payload["logit_bias"] = {str(t): BAN_BIAS for t in request.banned_ids}
         try:
-            output = self.client.generate(
-                [list(request.token_ids)], n=1, temperature=request.temperature, top_p=request.top_p,
-                max_tokens=request.max_new_tokens, logprobs=0, generation_kwargs=extra)
+            (choice,) = self.client._post(f"{self.client.base_url}/v1/completions", json=payload)["choices"]
+            tokens = list(choice["token_ids"])
+            (values,), (ids,) = parse_logprobs([choice["logprobs"]])
         except Exception as err:  # requests/HTTP errors arrive as bare Exceptions from VLLMClient
             raise PipelineError(f"vLLM server {self.client.base_url}: {str(err).splitlines()[0]}") from None
-        tokens = list(output["completion_ids"][0])
-        logprobs = [values[ids.index(token)] for values, ids, token in
-                    zip(output["logprobs"][0], output["logprob_token_ids"][0], tokens)]
-        # The client reports no finish reason: a segment shorter than its budget ended on a stop id
-        # (ours, or the model's EOS as the server knows it).
-        stopped = bool(tokens) and (tokens[-1] in request.stop_ids or len(tokens) < request.max_new_tokens)
-        return SegmentResult(tokens, logprobs, stopped)
+        logprobs = [row[row_ids.index(token)] for row, row_ids, token in zip(values, ids, tokens)]
+        # "stop": a stop id or the model's EOS; "length": max_tokens or the server's max_model_len.
+        return SegmentResult(tokens, logprobs, choice.get("finish_reason") == "stop")
 
     def continue_batch(self, requests: Sequence[SegmentRequest]) -> list[SegmentResult]:
         if not requests:

@@ -86,6 +86,10 @@ def make_rollout_func(engine_factory: EngineFactory, tokenizer, prompt_style: Pr
     engines: list[RolloutEngine] = []
 
     def rollout_func(prompts: list, trainer) -> dict[str, list]:
+        if getattr(getattr(trainer, "vllm_generation", None), "mode", None) == "server":
+            # TRL pushes the weights and resets the server's prefix cache from rank 0 only; no rank
+            # may send a request before that is done, or it samples from stale weights.
+            trainer.accelerator.wait_for_everyone()
         if not engines:
             engines.append(engine_factory(trainer))
         rollouts = engines[0].generate(render_prompt_ids(prompts, tokenizer, prompt_style), 1)
