@@ -318,3 +318,23 @@ def test_server_mode_rollout_waits_for_every_process_first(tokenizer):
     trainer.vllm_generation.mode = "colocate"  # each process syncs its own LLM: no barrier needed
     rollout(["What is 2 + 3?"], trainer)
     assert events == ["barrier", "generate", "generate"]
+
+
+# ---------------------------------------------------------------------------------- 4. what fits a GPU
+
+
+def test_replicated_training_refuses_qwen3_4b_on_an_80gb_gpu_and_names_the_sharded_configs():
+    from parallel_r1.training.memory import check_replicated_fits
+
+    gpu = 80 * 2**30
+    with pytest.raises(PipelineError, match="60 GiB .*more than the 56 GiB .*configs/fsdp.yaml or configs/zero3.yaml"):
+        check_replicated_fits(4_022_468_096, gpu, 0.3, "rl@parallel_r1_seen")  # Qwen3-4B-Base, vLLM 0.3
+    check_replicated_fits(1_000_000_000, gpu, 0.3, "rl@small")  # 15 GiB: DDP is fine
+
+
+def test_bf16_weights_would_lose_every_update_at_the_paper_learning_rate():
+    """Why policies keep float32 weights under bf16 mixed precision (training/memory.py)."""
+    weight = torch.full((1000,), 0.02)
+    step = torch.full((1000,), 1e-6)  # an AdamW step at lr 1e-6 moves each weight by ~lr
+    assert torch.equal((weight.bfloat16() - step.bfloat16()).float(), weight.bfloat16().float())
+    assert not torch.equal(weight - step, weight)

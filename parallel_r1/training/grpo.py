@@ -46,6 +46,7 @@ from parallel_r1.models import check_model_dir, load_model
 from parallel_r1.prompts import chat_messages, render_prompt
 from parallel_r1.rewards import RewardConfig, build_reward
 from parallel_r1.training.checkpoints import check_scheduler, file_signature, resume_point, trainer_arguments
+from parallel_r1.training.memory import check_training_memory
 from parallel_r1.training.rollout import engine_for_trainer, make_rollout_func
 
 if TYPE_CHECKING:  # the trainer module imports TRL: loaded in train_rl (see _keep_trl_off_vllm)
@@ -385,7 +386,9 @@ def train_rl(options: RLOptions, init_dir: str | os.PathLike, rows: Sequence[Map
     init_dir, out_dir, checkpoint_dir = Path(init_dir), Path(out_dir), Path(checkpoint_dir)
     check_model_dir(init_dir)
     reward_config = reward_config or RewardConfig()
-    model, tokenizer = load_model(init_dir, "float32", attn_implementation="sdpa")
+    model, tokenizer = load_model(init_dir, "float32", attn_implementation="sdpa")  # fp32 masters: training/memory.py
+    colocated = options.vllm_gpu_memory_utilization if engine == "vllm" and options.vllm_mode == "colocate" else 0.0
+    check_training_memory(model, colocated, f"rl@{options.run}")
     dataset, dropped = rl_dataset(rows, tokenizer, options.prompt, options.max_prompt_tokens, where)
     resumed_from = resume_point(checkpoint_dir, _fingerprint(options, dataset, init_dir, reward_config), state)
     config = grpo_config(options, checkpoint_dir, report_to, processes=state.num_processes,

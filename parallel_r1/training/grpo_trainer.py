@@ -28,6 +28,7 @@ from trl import GRPOTrainer
 from parallel_r1.format import PARALLEL_OPEN, count_blocks, parallel_position
 from parallel_r1.rewards import RewardConfig, reward_type_at
 from parallel_r1.structure import TagIds, structured_forward
+from parallel_r1.training.saving import save_full_model
 
 
 @dataclass
@@ -132,7 +133,7 @@ def save_policy(trainer, folder: Path) -> None:
     use_cache = model.config.use_cache
     model.config.use_cache = True
     try:
-        trainer.save_model(str(folder))
+        save_full_model(trainer, folder)  # FSDP2 with a sharded state dict gathers it first
     finally:
         model.config.use_cache = use_cache
     (folder / "training_args.bin").unlink(missing_ok=True)
