@@ -57,13 +57,18 @@ def write_jsonl(path: str | os.PathLike, rows: Iterable[dict]) -> int:
 
 
 def read_json(path: str | os.PathLike) -> Any:
+    """A JSON file's value; a missing file, bad UTF-8 or bad JSON is one line naming file and line."""
     path = Path(path)
     if not path.is_file():
         raise PipelineError(f"{path}: file not found")
+    data = path.read_bytes()
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise PipelineError(f"{path}:{line}: not valid UTF-8 (byte {err.start + 1} of the file); corrupt file?") from None
     except json.JSONDecodeError as err:
-        raise PipelineError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+        raise PipelineError(f"{path}:{err.lineno}: not valid JSON ({err.msg}, column {err.colno})") from None
 
 
 def read_jsonl(path: str | os.PathLike, required: Iterable[str] = (), allow_empty: bool = False) -> list[dict]:
@@ -73,8 +78,12 @@ def read_jsonl(path: str | os.PathLike, required: Iterable[str] = (), allow_empt
         raise PipelineError(f"{path}: file not found")
     required = tuple(required)
     rows = []
-    with open(path, encoding="utf-8") as handle:
-        for lineno, line in enumerate(handle, start=1):
+    with open(path, "rb") as handle:   # bytes: a bad UTF-8 sequence is reported with its line
+        for lineno, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise PipelineError(f"{path}:{lineno}: not valid UTF-8 (byte {err.start + 1} of the line)") from None
             if not line.strip():
                 continue
             try:

@@ -17,7 +17,7 @@ import torch
 
 from parallel_r1.errors import PipelineError
 from parallel_r1.format import TAGS
-from parallel_r1.io import atomic_path
+from parallel_r1.io import atomic_path, read_json
 
 TINY = "tiny"
 
@@ -65,6 +65,8 @@ def load_tokenizer(source: str | os.PathLike):
     """Tokenizer from a local folder or Hub id, with the tags added and a pad token set."""
     from transformers import AutoTokenizer
 
+    if Path(source).is_dir():
+        check_json_files(source)
     tokenizer = AutoTokenizer.from_pretrained(str(source))
     add_parallel_tags(tokenizer)
     if tokenizer.pad_token is None:
@@ -158,7 +160,29 @@ def check_model_dir(path: str | os.PathLike) -> Path:
         raise PipelineError(f"{path}: no config.json — not a model folder, or a corrupt checkpoint")
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         raise PipelineError(f"{path}: no weights (*.safetensors) — corrupt or half-written checkpoint")
+    check_json_files(path)
+    for weights in sorted(path.glob("*.safetensors")):
+        check_safetensors(weights)
     return path
+
+
+def check_json_files(folder: str | os.PathLike) -> None:
+    """Read every JSON file of a model folder (config, tokenizer, index), so a corrupt one is one
+    line naming it instead of a JSONDecodeError or OSError from deep inside transformers."""
+    for name in sorted(Path(folder).glob("*.json")):
+        read_json(name)
+
+
+def check_safetensors(path: Path) -> None:
+    """Open a weights file's header (cheap: no tensor is read); safetensors checks that the header
+    parses and that its tensors exactly cover the file, which catches a truncated or garbled file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt"):
+            pass
+    except (SafetensorError, OSError) as err:
+        raise PipelineError(f"{path}: corrupt or truncated safetensors file ({str(err).splitlines()[0]})") from None
 
 
 def _torch_dtype(name: str) -> torch.dtype:

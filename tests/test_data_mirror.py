@@ -44,7 +44,8 @@ def files_read(params: dict) -> dict[str, set[str]]:
 def test_stages_depend_on_exactly_the_mirror_files_they_read():
     declared = mirror_deps()
     expected: dict[str, set[str]] = {}
-    for profile in ("tiny", "paper"):   # DVC cannot switch deps per profile: the union of both
+    profiles = yaml.safe_load((REPO / "params.yaml").read_text())["profiles"]
+    for profile in profiles:   # DVC cannot switch deps per profile: the union over all of them
         for stage, files in files_read(load_params(REPO / "params.yaml", profile)).items():
             expected.setdefault(stage, set()).update(files)
     assert {stage: files for stage, files in declared.items() if files} == expected
@@ -57,7 +58,7 @@ def dvc(repo: Path, *args: str) -> subprocess.CompletedProcess:
 
 def test_mirror_edit_makes_dvc_status_report_the_stage(tmp_path):
     mirror = tmp_path / "mirror"
-    for name in files_read(load_params(REPO / "params.yaml", "tiny"))["prepare_data"]:
+    for name in files_read(load_params(REPO / "params.yaml"))["prepare_data"]:
         (mirror / name).parent.mkdir(parents=True, exist_ok=True)
         (mirror / name).write_text('{"id": "1", "question": "q", "problem": "q", "ground_truth": "1"}\n')
     repo = copy_repo(tmp_path / "repo", mirror)

@@ -1,0 +1,118 @@
+"""Every bad input is one line naming the file (and line) or the param path, and the problem."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from parallel_r1.errors import PipelineError
+from parallel_r1.io import read_json, read_jsonl
+from parallel_r1.models import check_model_dir, load_tokenizer, qwen3_tokenizer_dir
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PARALLEL_R1_TRACKING", "off")
+    return tmp_path
+
+
+def one_line(main, capsys, *args) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(*args)
+    assert exit_info.value.code == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def teacher_row(**changes) -> dict:
+    row = {"id": "g-1", "question": "q", "ground_truth": "3", "answer_kind": "gsm8k", "dataset": "gsm8k_train",
+           "prompt": "p", "completion": "<Parallel><Path>a</Path><Path>b</Path></Parallel><Summary>s</Summary>\n"
+           "Final Answer: 3", "source": "model", "model": "m", "completion_tokens": 20, "truncated": False}
+    return {**row, **changes}
+
+
+def write_teacher(workdir: Path, name: str, data: bytes) -> Path:
+    path = workdir / "data" / "teacher" / f"{name}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+def fake_model_dir(folder: Path) -> Path:
+    """A model folder as check_model_dir sees it: real tokenizer files, a config, tiny real weights."""
+    from safetensors.torch import save_file
+    import torch
+
+    shutil.copytree(qwen3_tokenizer_dir(), folder)
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    save_file({"w": torch.zeros(64)}, str(folder / "model.safetensors"))
+    return folder
+
+
+# ---------------------------------------------------------------- case 3: decode and load errors
+
+
+def test_invalid_utf8_in_a_jsonl_line_is_one_line_with_file_and_line(workdir, capsys):
+    from stages.filter import main
+
+    good = json.dumps(teacher_row()).encode()
+    write_teacher(workdir, "gsm8k", good + b"\n" + good.replace(b'"q"', b'"\xff\xfeq"') + b"\n")
+    assert one_line(main, capsys) == "error: data/teacher/gsm8k.jsonl:2: not valid UTF-8 (byte 28 of the line)"
+
+
+def test_invalid_utf8_in_a_json_file_names_file_and_line(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_bytes(b'{\n  "a": "\xc3"\n}\n')
+    with pytest.raises(PipelineError, match=r"config.json:2: not valid UTF-8"):
+        read_json(path)
+    path.write_bytes(b'{\n  "a": 1,\n}\n')
+    with pytest.raises(PipelineError, match=r"config.json:3: not valid JSON \(Expecting property name"):
+        read_json(path)
+
+
+@pytest.mark.parametrize("damage", [lambda data: data[: len(data) // 2], lambda data: b"\0" * len(data)],
+                         ids=["truncated", "garbled"])
+def test_corrupt_safetensors_stops_the_stage_in_one_line(workdir, capsys, damage):
+    from stages.rl import main
+
+    weights = fake_model_dir(workdir / "models" / "base") / "model.safetensors"
+    weights.write_bytes(damage(weights.read_bytes()))
+    line = one_line(main, capsys, ["grpo_gsm8k"])
+    assert line.startswith("error: models/base/model.safetensors: corrupt or truncated safetensors file (")
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "config.json"])
+def test_corrupt_model_json_names_the_file_and_line(tmp_path, name):
+    folder = fake_model_dir(tmp_path / "model")
+    (folder / name).write_text('{\n  "version": \n')
+    with pytest.raises(PipelineError, match=rf"^{folder / name}:3: not valid JSON \(Expecting value"):
+        check_model_dir(folder)
+    with pytest.raises(PipelineError, match=rf"^{folder / name}:3: not valid JSON"):
+        load_tokenizer(folder)
+
+
+def test_yaml_syntax_error_in_params_names_file_line_and_column(workdir, capsys):
+    from stages.prepare_data import main
+
+    text = (workdir / "params.yaml").read_text()
+    (workdir / "params.yaml").write_text(text.replace("seed: 42", "seed: [42", 1))
+    line = one_line(main, capsys)
+    match = re.fullmatch(r"error: params.yaml:(\d+):\d+: YAML syntax error \(.+\)", line)
+    seed_line = text.splitlines().index("seed: 42") + 1
+    assert match and seed_line <= int(match.group(1)) <= seed_line + 2, line   # YAML notices at the next key
+
+
+def test_jsonl_lines_are_counted_from_one_even_after_blank_lines(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"a": 1}\n\n{"a": 2\n')
+    with pytest.raises(PipelineError, match=r"rows.jsonl:3: not valid JSON"):
+        read_jsonl(path)
