@@ -13,6 +13,8 @@ metrics file `metrics/eval/<model>/<benchmark>.json`:
 - parallel ratio: share of samples with >= 1 well-formed block (Algorithm 1 passes).
 - parallel position: where the first `<Parallel>` starts, relative to the response length,
   averaged over the samples that hold a block (None when none does).
+- path diversity (beyond the paper): 1 - mean pairwise word-level similarity of a block's
+  paths (`format.path_diversity`), averaged over the samples that hold a block.
 
 A generation cut off by the token cap is scored like any other (it is almost always wrong,
 having no final answer) and counted as truncated; it is never dropped, since dropping
@@ -32,7 +34,7 @@ from parallel_r1.rewards import is_correct
 
 METRIC_KEYS = (
     "model", "benchmark", "profile", "k", "n_problems", "n_samples", "mean_at_k", "pass_at_k",
-    "parallel_ratio", "parallel_position", "mean_response_tokens", "truncated",
+    "parallel_ratio", "parallel_position", "path_diversity", "mean_response_tokens", "truncated",
 )
 
 
@@ -88,6 +90,7 @@ class ScoredSample(Sample):
     parallel: bool
     blocks: int
     parallel_position: float | None
+    path_diversity: float | None = None
 
 
 SAMPLE_FIELDS = tuple(f.name for f in dataclasses.fields(Sample))
@@ -116,6 +119,7 @@ def score_sample(sample: Sample, checker: str = "paper", tokenizer=None) -> Scor
         parallel=parallel,
         blocks=fmt.count_blocks(sample.response),
         parallel_position=position,
+        path_diversity=fmt.path_diversity(sample.response) if parallel else None,
     )
 
 
@@ -165,6 +169,7 @@ def summarize(
         )
     correct = [[s.correct for s in g] for g in groups.values()]
     positions = [s.parallel_position for s in scored if s.parallel_position is not None]
+    diversities = [s.path_diversity for s in scored if s.path_diversity is not None]
     n_samples = len(scored)
     truncated = sum(s.truncated for s in scored)
     return {
@@ -179,6 +184,7 @@ def summarize(
                          for pid, c in zip(groups, correct)) / len(groups),
         "parallel_ratio": sum(s.parallel for s in scored) / n_samples,
         "parallel_position": sum(positions) / len(positions) if positions else None,
+        "path_diversity": sum(diversities) / len(diversities) if diversities else None,
         "mean_response_tokens": sum(s.completion_tokens for s in scored) / n_samples,
         "truncated": truncated,
         "truncated_rate": truncated / n_samples,
@@ -191,15 +197,33 @@ def summarize(
 def generate_samples(engine, tokenizer, problems: Sequence[Mapping[str, Any]], k: int,
                      prompt_style: str = "parallel") -> list[Sample]:
     """k responses per problem from a rollout engine, with the same prompt as training."""
+    return generate_benchmark_samples(engine, tokenizer, {"benchmark": (problems, k)}, prompt_style)["benchmark"]
+
+
+def generate_benchmark_samples(engine, tokenizer, benchmarks: Mapping[str, tuple[Sequence[Mapping[str, Any]], int]],
+                               prompt_style: str = "parallel") -> dict[str, list[Sample]]:
+    """{benchmark: samples} for {benchmark: (problems, k)}, every benchmark in ONE engine call.
+
+    Why one call: the engine decodes its rollouts side by side, so a small benchmark (2 AIME
+    problems) costs nearly as much wall time alone as together with the others; batching all of
+    a model's prompts pays the decode loop once instead of once per benchmark.
+    """
     from parallel_r1.prompts import render_prompt
 
-    prompt_ids = [tokenizer(render_prompt(tokenizer, p["question"], prompt_style), add_special_tokens=False)["input_ids"]
-                  for p in problems]
-    rollouts = engine.generate(prompt_ids, k)
-    return [
-        Sample(problem_id=str(problem["id"]), sample_index=index, response=rollout.text,
-               ground_truth=str(problem["ground_truth"]), answer_kind=problem["answer_kind"],
-               completion_tokens=len(rollout.completion_ids), truncated=rollout.truncated)
-        for position, problem in enumerate(problems)
-        for index, rollout in enumerate(rollouts[position * k:(position + 1) * k])
-    ]
+    jobs = [(name, problem, index) for name, (problems, k) in benchmarks.items()
+            for problem in problems for index in range(k)]
+    rendered: dict[int, list[int]] = {}
+    prompt_ids = []
+    for _, problem, _ in jobs:
+        key = id(problem)
+        if key not in rendered:
+            text = render_prompt(tokenizer, problem["question"], prompt_style)
+            rendered[key] = tokenizer(text, add_special_tokens=False)["input_ids"]
+        prompt_ids.append(rendered[key])
+    rollouts = engine.generate(prompt_ids, 1) if prompt_ids else []
+    samples: dict[str, list[Sample]] = {name: [] for name in benchmarks}
+    for (name, problem, index), rollout in zip(jobs, rollouts):
+        samples[name].append(Sample(problem_id=str(problem["id"]), sample_index=index, response=rollout.text,
+                                    ground_truth=str(problem["ground_truth"]), answer_kind=problem["answer_kind"],
+                                    completion_tokens=len(rollout.completion_ids), truncated=rollout.truncated))
+    return samples

@@ -176,6 +176,32 @@ def parallel_position(text: str, tokenizer=None) -> float | None:
     return before / total if total else None
 
 
+def _path_words(text: str, span: Span) -> list[str]:
+    """A path's words with its own tags stripped (the tags are identical in every path)."""
+    return text[span.start + len(PATH_OPEN):span.end - len(PATH_CLOSE)].split()
+
+
+def block_diversity(text: str, block: ParallelBlock) -> float:
+    """1 - mean pairwise similarity of a block's paths (word level, difflib's matching ratio).
+
+    0 = the paths are copies of each other, 1 = they share no word sequence. Beyond the paper:
+    DPT (a follow-up on Parallel-R1) reports that RL collapses paths into near-copies, which the
+    parallel ratio alone cannot show.
+    """
+    from difflib import SequenceMatcher
+    from itertools import combinations
+
+    words = [_path_words(text, span) for span in block.paths]
+    pairs = [SequenceMatcher(None, a, b, autojunk=False).ratio() for a, b in combinations(words, 2)]
+    return 1.0 - sum(pairs) / len(pairs) if pairs else 0.0
+
+
+def path_diversity(text: str) -> float | None:
+    """Mean `block_diversity` over the response's well-formed blocks; None when it has none."""
+    blocks = parse_blocks(text)
+    return sum(block_diversity(text, b) for b in blocks) / len(blocks) if blocks else None
+
+
 def count_blocks(text: str) -> int:
     """Number of well-formed blocks (0 when the text fails Algorithm 1)."""
     return len(parse_blocks(text))

@@ -28,6 +28,9 @@ from parallel_r1.errors import PipelineError
 from parallel_r1.io import atomic_path
 
 BENCHMARKS = ("aime25", "aime24", "amc23", "math")
+# Evaluated beside the paper's benchmarks when present (ours only, no paper number): GSM8K test is
+# where a small model's accuracy is not ~0, so it is where RL can show an effect on the default profile.
+EXTRA_BENCHMARKS = ("gsm8k",)
 # Paper column -> (benchmark, metric-file key). Parallel ratio and Avg. are derived.
 COLUMN_SOURCES = {
     "aime25_mean16": ("aime25", "mean_at_k"), "aime25_pass16": ("aime25", "pass_at_k"),
@@ -36,7 +39,7 @@ COLUMN_SOURCES = {
     "math_mean1": ("math", "mean_at_k"),
 }
 AVG_COLUMNS = ("aime25_mean16", "aime24_mean16", "amc23_mean16", "math_mean1")  # paper: `avg_is`
-_BENCH_NAMES = {"aime25": "AIME25", "aime24": "AIME24", "amc23": "AMC23", "math": "MATH"}
+_BENCH_NAMES = {"aime25": "AIME25", "aime24": "AIME24", "amc23": "AMC23", "math": "MATH", "gsm8k": "GSM8K"}
 _REQUIRED_EVAL_KEYS = ("profile", "k", "n_problems", "n_samples", "mean_at_k", "pass_at_k", "parallel_ratio")
 
 ROW_LABELS = {
@@ -53,6 +56,11 @@ ROW_LABELS = {
 }
 
 PROFILE_NOTES = {
+    "small": "SmolLM2-135M-Instruct on a CPU, minutes of SFT and a few RL steps. What it shows: the "
+             "model learns the parallel format in SFT (parallel ratio, block position, path diversity) "
+             "and every cell is computed by the real pipeline. What it cannot show: the paper's "
+             "accuracies -- a 135M model scores ~0 on AIME/AMC/MATH and a few percent on GSM8K, and "
+             "a handful of RL steps cannot move them",
     "tiny": "a random-init tiny model; accuracies are not comparable to the paper, "
             "every cell is computed by the real pipeline",
     "paper": "the paper's settings; numbers are comparable to the paper's",
@@ -149,21 +157,25 @@ def model_scores(eval_metrics: Mapping[str, Mapping[str, dict]], model: str, pro
                  report: str = "the report") -> dict[str, float | None]:
     """A model's paper columns in percent, plus sample diagnostics (ours only).
 
-    Parallel ratio = share of all the model's samples, over the four benchmarks, with
-    >= 1 block; Avg. = mean of AVG_COLUMNS (the paper's `avg_is`).
+    Avg. = mean of AVG_COLUMNS (the paper's `avg_is`). Parallel ratio, position and path diversity
+    are over all the model's samples: the four benchmarks, and GSM8K when it was evaluated.
     """
     per_bench = {b: _benchmark_metrics(eval_metrics, model, b, profile, report) for b in BENCHMARKS}
     scores: dict[str, float | None] = {
         col: 100.0 * per_bench[bench][key] for col, (bench, key) in COLUMN_SOURCES.items()
     }
-    n_samples = sum(m["n_samples"] for m in per_bench.values())
-    n_parallel = sum(m["parallel_ratio"] * m["n_samples"] for m in per_bench.values())
-    scores["parallel_ratio"] = 100.0 * n_parallel / n_samples if n_samples else 0.0
     scores["avg"] = sum(scores[col] for col in AVG_COLUMNS) / len(AVG_COLUMNS)
-    weighted = [(m["parallel_position"], m["parallel_ratio"] * m["n_samples"])
-                for m in per_bench.values() if m.get("parallel_position") is not None]
-    weight = sum(w for _, w in weighted)
-    scores["parallel_position"] = sum(p * w for p, w in weighted) / weight if weight else None
+    for bench in EXTRA_BENCHMARKS:
+        if bench in eval_metrics.get(model, {}):
+            per_bench[bench] = _benchmark_metrics(eval_metrics, model, bench, profile, report)
+            scores[f"{bench}_mean"] = 100.0 * per_bench[bench]["mean_at_k"]
+    n_samples = sum(m["n_samples"] for m in per_bench.values())
+    with_block = {b: m["parallel_ratio"] * m["n_samples"] for b, m in per_bench.items()}
+    scores["parallel_ratio"] = 100.0 * sum(with_block.values()) / n_samples if n_samples else 0.0
+    for key in ("parallel_position", "path_diversity"):
+        weighted = [(m[key], with_block[b]) for b, m in per_bench.items() if m.get(key) is not None]
+        weight = sum(w for _, w in weighted)
+        scores[key] = sum(v * w for v, w in weighted) / weight if weight else None
     scores["n_samples"] = n_samples
     scores["truncated"] = sum(m.get("truncated", 0) for m in per_bench.values())
     tokens = [m["mean_response_tokens"] * m["n_samples"] for m in per_bench.values() if "mean_response_tokens" in m]
@@ -171,8 +183,14 @@ def model_scores(eval_metrics: Mapping[str, Mapping[str, dict]], model: str, pro
     return scores
 
 
+def _extra_columns(scores: Mapping[str, dict]) -> list[str]:
+    """`<bench>_mean` columns every row has (GSM8K when evaluated for all rows)."""
+    return [f"{b}_mean" for b in EXTRA_BENCHMARKS if all(f"{b}_mean" in s for s in scores.values())]
+
+
 def _ks(eval_metrics: Mapping[str, Mapping[str, dict]], models: Sequence[str]) -> dict[str, set[int]]:
-    return {b: {eval_metrics[m][b]["k"] for m in models} for b in BENCHMARKS}
+    return {b: {eval_metrics[m][b]["k"] for m in models if b in eval_metrics[m]}
+            for b in (*BENCHMARKS, *EXTRA_BENCHMARKS)}
 
 
 def _column_header(col: str, ks: Mapping[str, set[int]]) -> str:
@@ -180,6 +198,10 @@ def _column_header(col: str, ks: Mapping[str, set[int]]) -> str:
         return "Parallel ratio"
     if col == "avg":
         return "Avg."
+    if col.endswith("_mean") and col[:-5] in EXTRA_BENCHMARKS:
+        bench = col[:-5]
+        k = next(iter(ks[bench])) if len(ks[bench]) == 1 else "k"
+        return f"{_BENCH_NAMES[bench]} mean@{k} (ours only)"
     bench, key = COLUMN_SOURCES[col]
     k = next(iter(ks[bench])) if len(ks[bench]) == 1 else "k"
     return f"{_BENCH_NAMES[bench]} {'mean' if key == 'mean_at_k' else 'pass'}@{k}"
@@ -187,7 +209,9 @@ def _column_header(col: str, ks: Mapping[str, set[int]]) -> str:
 
 def _sample_counts(eval_metrics: Mapping[str, Mapping[str, dict]], models: Sequence[str]) -> str:
     parts = []
-    for bench in BENCHMARKS:
+    for bench in (*BENCHMARKS, *EXTRA_BENCHMARKS):
+        if not all(bench in eval_metrics[m] for m in models):
+            continue
         counts = sorted({(eval_metrics[m][bench]["k"], eval_metrics[m][bench]["n_problems"]) for m in models})
         text = ", ".join(f"k={k} × {n} problems" for k, n in counts)
         parts.append(f"{_BENCH_NAMES[bench]}: {text}" + (" (differs between models)" if len(counts) > 1 else ""))
@@ -210,11 +234,13 @@ def _header_lines(title: str, profile: str, notes: Sequence[str]) -> list[str]:
 def _details_table(rows: Mapping[str, str], scores: Mapping[str, dict]) -> list[str]:
     body = []
     for key, model in rows.items():
-        score, position = scores[key], scores[key]["parallel_position"]
+        score = scores[key]
+        position, diversity = score["parallel_position"], score["path_diversity"]
         body.append([ROW_LABELS.get(key, key), f"`models/{model}`", str(score["n_samples"]), str(score["truncated"]),
-                     _pct(score["mean_response_tokens"]), "—" if position is None else f"{position:.2f}"])
+                     _pct(score["mean_response_tokens"]), "—" if position is None else f"{position:.2f}",
+                     "—" if diversity is None else f"{diversity:.2f}"])
     return _table(["Row", "Model", "Samples", "Truncated", "Mean response tokens",
-                   "`<Parallel>` position"], body)
+                   "`<Parallel>` position", "Path diversity"], body)
 
 
 # ---------------------------------------------------------------- tables
@@ -258,22 +284,26 @@ def table2(eval_metrics: Mapping[str, Mapping[str, dict]], rows: Mapping[str, st
     _check_rows(rows, paper_rows, "table2")
     scores = {key: model_scores(eval_metrics, model, profile, "table2") for key, model in rows.items()}
     ks = _ks(eval_metrics, list(rows.values()))
+    extra = _extra_columns(scores)
     headers = ["Row", "Model"] + [_column_header(c, ks) for c in columns]
     ours_rows, delta_rows = [], []
     for key, model in rows.items():
         ref = dict(zip(columns, paper_rows[key]))
         label = [ROW_LABELS.get(key, key), f"`models/{model}`"]
-        ours_rows.append(label + [f"{_pct(scores[key][c])} ({_pct(ref[c])})" for c in columns])
+        ours_rows.append(label + [f"{_pct(scores[key][c])} ({_pct(ref[c])})" for c in columns]
+                         + [_pct(scores[key][c]) for c in extra])
         delta_rows.append(label + [delta(scores[key][c], ref[c]) for c in columns])
     lines = _header_lines("Table 2 — Main results", profile, [
         "Percentages. Cells: **ours (paper)**. mean@k = accuracy averaged over k samples per problem, "
-        "pass@k = unbiased estimator; temperature 1.0; the paper's cells are mean@16 / pass@16 and MATH mean@1. Parallel ratio = share of a model's samples over "
-        "all four benchmarks with at least one well-formed `<Parallel>` block. "
+        "pass@k = unbiased estimator; temperature 1.0; the paper's cells are mean@16 / pass@16 and MATH mean@1. "
+        "Parallel ratio = share of a model's samples with at least one well-formed `<Parallel>` block, over "
+        "all benchmarks evaluated (the paper's four, plus GSM8K test where it has a column). Path diversity = "
+        "1 − mean pairwise word-level similarity of a block's paths (beyond the paper; 0 = copies). "
         "Avg. = mean of AIME25 mean, AIME24 mean, AMC23 mean and MATH mean@1 (the paper's definition; "
         "its text gives 4.6 for the base model, its table 6.6, which matches its cells).",
         "", _sample_counts(eval_metrics, list(rows.values())),
     ])
-    lines += _table(headers, ours_rows)
+    lines += _table(headers + [_column_header(c, ks) for c in extra], ours_rows)
     lines += ["", "## Δ = ours − paper (percentage points)", ""] + _table(headers, delta_rows)
     lines += ["", "## Sample details (ours)", ""] + _details_table(rows, scores)
     return "\n".join(lines) + "\n"
@@ -329,6 +359,43 @@ def ablation_reward(eval_metrics: Mapping[str, Mapping[str, dict]], rows: Mappin
                      note=" The paper reports no AMC23 number for the alternating reward.")
 
 
+def rl_runs(summaries: Mapping[str, Mapping[str, Any]], steps: Mapping[str, Sequence[Mapping[str, Any]]],
+            profile: str) -> str:
+    """Every RL run in one table: did GRPO get a gradient, and what moved.
+
+    GRPO's advantage is a reward minus its group's mean: a step where every prompt's rollouts got
+    the same reward has zero advantages everywhere and changes no weight. "Steps with a gradient"
+    counts the steps where TRL's `frac_reward_zero_std` < 1 (some group had a reward spread).
+    """
+    body = []
+    for run, summary in summaries.items():
+        where = f"metrics/rl/{run}/summary.json"
+        if missing := [k for k in ("reward", "variant", "steps", "steps_with_reward_spread") if k not in summary]:
+            raise PipelineError(f"{where}: missing key(s) {', '.join(missing)}")
+        history = steps.get(run, [])
+        first, last = (history[0], history[-1]) if history else ({}, {})
+
+        def moved(key: str, digits: int = 2) -> str:
+            a, b = first.get(key), last.get(key)
+            return "—" if a is None or b is None else f"{a:.{digits}f} → {b:.{digits}f}"
+
+        diversity = [h["path_diversity"] for h in history if h.get("path_diversity") is not None]
+        body.append([f"`{run}`", str(summary["reward"]), str(summary["variant"]),
+                     f"{summary['steps_with_reward_spread']} / {summary['steps']}", moved("reward"),
+                     moved("parallel_ratio"), moved("accuracy"),
+                     f"{sum(diversity) / len(diversity):.2f}" if diversity else "—",
+                     _pct(summary.get("mean_step_seconds"))])
+    lines = _header_lines("RL runs — reward spread, reward and parallel ratio over the steps", profile, [
+        "Steps with a gradient = steps where at least one prompt's rollouts got different rewards (TRL's "
+        "`frac_reward_zero_std` < 1); only those change a weight. Columns with → show the first and the "
+        "last step. Path diversity = 1 − mean pairwise word-level similarity of a block's paths, averaged "
+        "over the steps' responses with a block.",
+    ])
+    lines += _table(["Run", "Reward schedule", "Variant", "Steps with a gradient", "Reward", "Parallel ratio",
+                     "Accuracy", "Path diversity", "s / step"], body)
+    return "\n".join(lines) + "\n"
+
+
 # ---------------------------------------------------------------- figures
 
 
@@ -347,7 +414,8 @@ def _save_png(fig, path: str | Path) -> None:
 
 
 def _subtitle(profile: str) -> str:
-    note = " — tiny random-init model, not comparable to the paper" if profile == "tiny" else ""
+    note = {"tiny": " — tiny random-init model, not comparable to the paper",
+            "small": " — SmolLM2-135M on CPU, not comparable to the paper"}.get(profile, "")
     return f"profile: {profile}{note}"
 
 

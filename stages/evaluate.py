@@ -22,7 +22,7 @@ from pathlib import Path
 from parallel_r1 import tracking
 from parallel_r1.engine import RolloutConfig, make_engine
 from parallel_r1.errors import PipelineError
-from parallel_r1.evaluation import generate_samples, sample_to_row, summarize
+from parallel_r1.evaluation import generate_benchmark_samples, sample_to_row, summarize
 from parallel_r1.io import read_jsonl, write_json, write_jsonl
 from parallel_r1.models import check_model_dir, load_tokenizer
 from stages.common import load_params, section, stage_main
@@ -59,8 +59,10 @@ def evaluate_folder(model: str, folder: Path, benchmarks: dict[str, int], params
     checker = settings.get("checker", "paper")
     results = {}
     try:
+        generated = generate_benchmark_samples(engine, tokenizer,
+                                               {name: (problems[name], k) for name, k in benchmarks.items()}, prompt)
         for name, k in benchmarks.items():
-            samples = generate_samples(engine, tokenizer, problems[name], k, prompt)
+            samples = generated[name]
             metrics = summarize(samples, k, model=model, benchmark=name, profile=params["profile"],
                                 checker=checker, tokenizer=tokenizer)
             rows = [sample_to_row(s, checker, tokenizer) for s in samples]

@@ -14,6 +14,7 @@ Each report reads only its own inputs, so DVC gives each its own deps:
     figure3            metrics/rl/<run>/steps.json              -> reports/figure3_parallel_position.png
     figure4            metrics/curves/scaffold.json             -> reports/figure4_scaffold.png
     reward_schedules   the RL runs in MLflow                    -> reports/reward_schedules.md + .png
+    rl_runs            metrics/rl/<run>/summary.json, steps.json -> reports/rl_runs.md
 
 Each build is an MLflow run named like its DVC stage, with the report (and its plot) as
 artifacts. Benchmarks are aime25, aime24, amc23 and math. params.yaml keys read: `profile`, and the
@@ -50,6 +51,7 @@ OUTPUTS = {
     "figure3": REPORTS / "figure3_parallel_position.png",
     "figure4": REPORTS / "figure4_scaffold.png",
     "reward_schedules": REPORTS / "reward_schedules.md",
+    "rl_runs": REPORTS / "rl_runs.md",
 }
 ABLATIONS = {
     "ablation_training": (reports.ablation_training, "ablation_training_rows"),
@@ -59,10 +61,17 @@ ABLATIONS = {
 
 
 def read_eval_metrics(models: list[str]) -> dict[str, dict[str, dict]]:
-    """metrics/eval/<model>/<benchmark>.json for the given models and the four benchmarks."""
-    return {model: {bench: read_json(reports.eval_metrics_path(model, bench, METRICS / "eval"))
-                    for bench in reports.BENCHMARKS}
-            for model in dict.fromkeys(models)}
+    """metrics/eval/<model>/<benchmark>.json for the given models: the paper's four benchmarks
+    (required) and the extra ones (GSM8K test) where the evaluation wrote them."""
+    metrics: dict[str, dict[str, dict]] = {}
+    for model in dict.fromkeys(models):
+        metrics[model] = {bench: read_json(reports.eval_metrics_path(model, bench, METRICS / "eval"))
+                          for bench in reports.BENCHMARKS}
+        for bench in reports.EXTRA_BENCHMARKS:
+            path = reports.eval_metrics_path(model, bench, METRICS / "eval")
+            if path.is_file():
+                metrics[model][bench] = read_json(path)
+    return metrics
 
 
 def build(report: str, params: dict) -> Path:
@@ -83,6 +92,11 @@ def build(report: str, params: dict) -> Path:
     elif report == "figure3":
         steps = {run: read_json(METRICS / "rl" / run / "steps.json") for run in options.figure3_runs}
         reports.figure3_parallel_position(steps, out, profile=profile)
+    elif report == "rl_runs":
+        runs = list(params.get("rl_runs", {}))
+        summaries = {run: read_json(METRICS / "rl" / run / "summary.json") for run in runs}
+        steps = {run: read_json(METRICS / "rl" / run / "steps.json") for run in runs}
+        reports.write_markdown(out, reports.rl_runs(summaries, steps, profile))
     elif report == "figure4":
         reports.figure4_scaffold(read_json(METRICS / "curves" / "scaffold.json"), out, profile=profile)
     else:

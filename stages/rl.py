@@ -10,7 +10,7 @@ A run starts from models/<init> and trains on data/rl/<dataset>.jsonl with its r
 `<Parallel>` or not (the GRPO baselines). Writes models/<run> (safetensors + tokenizer; the scaffold
 run also models/<run>/steps/step-<n>/ every evaluate.scaffold_curve.every steps, for Figure 4),
 metrics/rl/<run>/steps.json (per step: reward, accuracy, parallel ratio, <Parallel> position,
-response length, blocks per response, reward type; a DVC plot) and metrics/rl/<run>/summary.json.
+response length, blocks per response, path diversity, reward spread, reward type; a DVC plot) and metrics/rl/<run>/summary.json.
 Every step is also logged to the MLflow run `rl@<run>` (by the main process only: see tracking.enabled).
 Checkpoints go to checkpoints/rl/<run>/
 every rl.save_steps; re-running a killed run resumes from the last one.
@@ -52,6 +52,10 @@ def summarize(run: str, options: RLOptions, result: RLResult, wall_seconds: floa
         "final_reward": last.get("reward"),
         "final_accuracy": last.get("accuracy"),
         "final_parallel_ratio": last.get("parallel_ratio"),
+        # Steps where some prompt's rollouts got different rewards: only those move a weight in GRPO.
+        "steps_with_reward_spread": sum(1 for h in result.history if (h.get("frac_reward_zero_std") or 0) < 1
+                                        and h.get("frac_reward_zero_std") is not None),
+        "steps_logged": len(result.history),
         "snapshots": result.snapshots,
     }
 

@@ -33,12 +33,14 @@ def tags(tokenizer):
     return TagIds.from_tokenizer(tokenizer)
 
 
-def copy_repo(destination: Path, mirror_dir: Path | None = None) -> Path:
+def copy_repo(destination: Path, mirror_dir: Path | None = None, profile: str = "tiny") -> Path:
     """A runnable copy of this checkout (tracked + untracked-not-ignored files) as a fresh git repo.
 
     DVC needs a git work tree, so the copy is committed once; `data.mirror_dir` is pointed
-    at the absolute mirror path because the copy does not sit beside `shared/`.
+    at the absolute mirror path because the copy does not sit beside `shared/`; `profile` is
+    made the active one.
     """
+    import re
     import shutil
     import subprocess
 
@@ -50,9 +52,12 @@ def copy_repo(destination: Path, mirror_dir: Path | None = None) -> Path:
             target = destination / name
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, target)
+    params = destination / "params.yaml"
+    text = params.read_text()
     if mirror_dir is not None:
-        params = destination / "params.yaml"
-        params.write_text(params.read_text().replace("mirror_dir: ../shared/data", f"mirror_dir: {mirror_dir}"))
+        text = text.replace("mirror_dir: ../shared/data", f"mirror_dir: {mirror_dir}")
+    # Tests run the pipeline on the random-init tiny model: seconds per stage, not the default's minutes.
+    params.write_text(re.sub(r"^profile: \w+", f"profile: {profile}", text, count=1, flags=re.M))
     git = ["git", "-c", "user.name=test", "-c", "user.email=test@localhost"]
     subprocess.run(["git", "init", "-q"], cwd=destination, check=True)
     subprocess.run(["git", "add", "-A"], cwd=destination, check=True)

@@ -136,3 +136,22 @@ def test_inserting_any_single_tag_fails(text, tag, data):
     inside_a_tag = {i for m in fmt.TAG_PATTERN.finditer(text) for i in range(m.start() + 1, m.end())}
     position = data.draw(st.sampled_from([i for i in range(len(text) + 1) if i not in inside_a_tag]))
     assert not check_format(text[:position] + tag + text[position:]).ok
+
+
+def test_path_diversity_is_zero_for_copies_and_one_for_disjoint_paths():
+    from parallel_r1.format import path_diversity
+
+    copies = "a <Parallel><Path>x = 2 + 3</Path><Path>x = 2 + 3</Path></Parallel><Summary>5</Summary> b"
+    disjoint = "<Parallel><Path>add two and three</Path><Path>5 by counting</Path></Parallel><Summary>5</Summary>"
+    assert path_diversity(copies) == 0.0
+    assert path_diversity(disjoint) == 1.0
+    assert path_diversity("no block here") is None
+    # two blocks: the mean of their diversities
+    assert path_diversity(copies + " " + disjoint) == 0.5
+
+
+def test_path_diversity_of_three_paths_is_the_mean_over_pairs():
+    from parallel_r1.format import path_diversity
+
+    text = "<Parallel><Path>a b</Path><Path>a b</Path><Path>c d</Path></Parallel><Summary>s</Summary>"
+    assert path_diversity(text) == pytest.approx(1 - (1 + 0 + 0) / 3)

@@ -76,17 +76,22 @@ def test_paper_profile_rewards_and_eval_match_the_paper(paper, reference):
     assert paper["generate"]["teacher"] == reference["teacher_model"]
 
 
-def test_tiny_profile_only_overrides_existing_keys():
+@pytest.mark.parametrize(("profile", "base"), [("tiny", "tiny"), ("small", "smollm2-135m-instruct")])
+def test_small_profiles_only_override_existing_keys(profile, base):
     raw = yaml.safe_load((REPO / "params.yaml").read_text())
 
-    def check(override, base, where):
+    def check(override, top, where):
         for key, value in override.items():
-            assert key in base, f"profiles.tiny{where}.{key} overrides nothing"
-            if isinstance(value, dict) and isinstance(base[key], dict):
-                check(value, base[key], f"{where}.{key}")
+            assert key in top, f"profiles.{profile}{where}.{key} overrides nothing"
+            if isinstance(value, dict) and isinstance(top[key], dict):
+                check(value, top[key], f"{where}.{key}")
 
-    check(raw["profiles"]["tiny"], raw, "")
-    assert load_params(REPO / "params.yaml", profile="tiny")["model"]["base"] == "tiny"
+    check(raw["profiles"][profile], raw, "")
+    assert load_params(REPO / "params.yaml", profile=profile)["model"]["base"] == base
+
+
+def test_default_profile_is_the_small_pretrained_model():
+    assert load_params(REPO / "params.yaml")["profile"] == "small"
 
 
 def test_unknown_profile_is_one_line(tmp_path):

@@ -92,7 +92,7 @@ def test_table2_parallel_ratio_and_position_pool_samples_of_all_benchmarks():
     markdown = reports.table2(fixture_metrics(), TABLE2_MODELS, "tiny")
     assert table_row(markdown, "", "Qwen3-4B-Base")[2] == "28.0 (0.0)"
     details = table_row(markdown, "## Sample details (ours)", "Qwen3-4B-Base")
-    assert details[2:] == ["100", "4", "100.0", "0.46"]
+    assert details[2:] == ["100", "4", "100.0", "0.46", "—"]  # no path diversity in the fixture
 
 
 def test_table2_states_profile_and_sample_counts():
@@ -267,3 +267,42 @@ def test_stage_draws_both_figures(project):
     stage.main(["figure4"])
     assert_png(project / "reports" / "figure3_parallel_position.png")
     assert_png(project / "reports" / "figure4_scaffold.png")
+
+
+def test_gsm8k_column_and_ratio_over_every_evaluated_benchmark():
+    metrics = fixture_metrics()
+    for model in TABLE2_MODELS.values():  # GSM8K test: 8 questions x 1 sample, half of them with a block
+        metrics[model]["gsm8k"] = {**bench_metrics(model, "math", mean=0.25, ratio=0.5), "benchmark": "gsm8k",
+                                   "n_problems": 8, "n_samples": 8, "path_diversity": 0.4}
+    text = reports.table2(metrics, TABLE2_MODELS, "tiny")
+    header = next(line for line in text.splitlines() if line.startswith("| Row | Model |"))
+    assert header.rstrip(" |").endswith("GSM8K mean@1 (ours only)")
+    cells = table_row(text, "", "Qwen3-4B-Base")
+    assert cells[-1] == "25.0"  # the GSM8K column, no paper number beside it
+    # base: (16 + 0 + 8 + 4 + 4 parallel GSM8K samples) of 108 samples
+    assert cells[2].startswith(f"{100 * 32 / 108:.1f} (")
+    details = table_row(text, "## Sample details (ours)", "Qwen3-4B-Base")
+    assert details[-1] == "0.40"  # path diversity: only GSM8K reported one
+
+
+def test_table2_without_gsm8k_has_no_gsm8k_column():
+    text = reports.table2(fixture_metrics(), TABLE2_MODELS, "tiny")
+    assert all("GSM8K" not in line for line in text.splitlines() if line.startswith("| Row |"))
+
+
+def test_rl_runs_report_counts_steps_with_a_gradient():
+    summaries = {"parallel_r1_unseen_parallel_only": {"reward": "parallel_only", "variant": "unseen", "steps": 3,
+                                                      "steps_with_reward_spread": 2, "mean_step_seconds": 40.0}}
+    steps = {"parallel_r1_unseen_parallel_only": [
+        {"step": 1, "reward": -0.5, "parallel_ratio": 0.25, "accuracy": 0.0, "path_diversity": 0.6},
+        {"step": 2, "reward": 0.0, "parallel_ratio": 0.5, "accuracy": 0.0, "path_diversity": None},
+        {"step": 3, "reward": 0.5, "parallel_ratio": 0.75, "accuracy": 0.0, "path_diversity": 0.4}]}
+    text = reports.rl_runs(summaries, steps, "small")
+    assert "SmolLM2-135M-Instruct" in text.splitlines()[2]  # the banner names the default model
+    cells = table_row(text, "", "`parallel_r1_unseen_parallel_only`")
+    assert cells[3:8] == ["2 / 3", "-0.50 → 0.50", "0.25 → 0.75", "0.00 → 0.00", "0.50"]
+
+
+def test_rl_runs_report_names_a_summary_missing_its_keys():
+    with pytest.raises(PipelineError, match=r"metrics/rl/x/summary.json: missing key\(s\) steps_with_reward_spread"):
+        reports.rl_runs({"x": {"reward": "accuracy", "variant": "seen", "steps": 2}}, {}, "small")

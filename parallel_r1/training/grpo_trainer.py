@@ -25,7 +25,7 @@ from typing import Any, Iterable, Mapping
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
-from parallel_r1.format import PARALLEL_OPEN, count_blocks, parallel_position
+from parallel_r1.format import PARALLEL_OPEN, count_blocks, parallel_position, path_diversity
 from parallel_r1.rewards import RewardConfig, reward_type_at
 from parallel_r1.structure import TagIds, structured_forward
 from parallel_r1.training.saving import save_full_model
@@ -53,7 +53,8 @@ class ParallelGRPOTrainer(GRPOTrainer):
     causal computation. The rollout function is timed and its responses measured per step:
     `response_length` (tokens), `blocks_per_response` (well-formed blocks, Algorithm 1),
     `parallel_position` (token-level start of the first `<Parallel>` / response length, over responses
-    that have one; absent when none does) and `rollout_tokens_per_s`.
+    that have one; absent when none does), `path_diversity` (`format.path_diversity`, over responses
+    with a block) and `rollout_tokens_per_s`.
     """
 
     def __init__(self, *args, structured: bool = False, rollout_func=None, **kwargs) -> None:
@@ -89,6 +90,9 @@ class ParallelGRPOTrainer(GRPOTrainer):
             position = parallel_position(text, self._tokenizer) if PARALLEL_OPEN in text else None
             if position is not None:
                 self._log_metric("parallel_position", position)
+            diversity = path_diversity(text)
+            if diversity is not None:  # paths collapsing into copies under RL (DPT) shows here
+                self._log_metric("path_diversity", diversity)
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         if not self.structured:
@@ -139,8 +143,10 @@ def save_policy(trainer, folder: Path) -> None:
     (folder / "training_args.bin").unlink(missing_ok=True)
 
 
+# reward_std / frac_reward_zero_std are TRL's: a step whose every group has zero reward spread has
+# zero advantages everywhere, i.e. no gradient.
 STEP_KEYS = ("step", "reward", "accuracy", "parallel_ratio", "parallel_position", "response_length",
-             "blocks_per_response", "reward_type")
+             "blocks_per_response", "path_diversity", "reward_std", "frac_reward_zero_std", "reward_type")
 
 
 def step_records(log_history: Iterable[Mapping[str, Any]], reward: str,
