@@ -6,7 +6,7 @@
 "auto" means one thing everywhere (teacher generation, GRPO rollouts, evaluation), decided by
 `resolve_engine`: vLLM when it is installed AND a CUDA GPU is present (fast, prefix cache
 shared by the forks, causal attention only), else transformers (exact structured attention for
-Unseen). So a model is evaluated with the engine it was trained with, on any machine.
+Unseen, KV forking and continuous batching: hf_forking.py). So a model is evaluated with the engine it was trained with, on any machine.
 Stage scripts that create a vLLM engine must do so under `if __name__ == "__main__":`
 (vLLM spawns worker processes).
 """
@@ -61,11 +61,19 @@ def stop_token_ids(tokenizer, generation_eos: int | Sequence[int] | None = None)
     return default_eos_ids(tokenizer, generation_eos) | end_of_turn_ids(tokenizer)
 
 
-def transformers_engine(model, tokenizer, config: RolloutConfig, **backend_options) -> RolloutEngine:
-    """An engine over an already-loaded model (GRPO passes the trainer's live policy)."""
-    from parallel_r1.engine.hf import TransformersBackend
+def transformers_engine(model, tokenizer, config: RolloutConfig, kv_forking: bool = True,
+                        **backend_options) -> RolloutEngine:
+    """An engine over an already-loaded model (GRPO passes the trainer's live policy).
 
-    backend = TransformersBackend(model, TagIds.from_tokenizer(tokenizer), tokenizer.pad_token_id, **backend_options)
+    kv_forking: keep each rollout's KV cache between segments and schedule rows continuously
+    (`ForkingTransformersBackend`); False re-encodes every segment from scratch in rounds
+    (`TransformersBackend`, the reference the forked decoding is tested against).
+    """
+    from parallel_r1.engine.hf import TransformersBackend
+    from parallel_r1.engine.hf_forking import ForkingTransformersBackend
+
+    kind = ForkingTransformersBackend if kv_forking else TransformersBackend
+    backend = kind(model, TagIds.from_tokenizer(tokenizer), tokenizer.pad_token_id, **backend_options)
     generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     return RolloutEngine(backend, tokenizer, config, stop_token_ids(tokenizer, generation_eos))
 
@@ -76,7 +84,7 @@ def make_engine(kind: EngineKind, model_path: str | os.PathLike, tokenizer, conf
 
     backend_options go to the backend that runs: vLLM takes gpu_memory_utilization,
     enforce_eager, max_model_len, in_process, dtype; transformers takes dtype,
-    attn_implementation, max_batch_size, logits_processor. Options for the other backend are
+    attn_implementation, max_batch_size, logits_processor, kv_forking, scheduling. Options for the other backend are
     ignored (so "auto" can be given both), and options given as None keep their defaults.
     """
     options = {key: value for key, value in backend_options.items() if value is not None}
@@ -97,7 +105,8 @@ def make_engine(kind: EngineKind, model_path: str | os.PathLike, tokenizer, conf
 
 
 _VLLM_ONLY = frozenset({"gpu_memory_utilization", "enforce_eager", "max_model_len", "in_process"})
-_TRANSFORMERS_ONLY = frozenset({"attn_implementation", "max_batch_size", "logits_processor"})
+_TRANSFORMERS_ONLY = frozenset({"attn_implementation", "max_batch_size", "logits_processor", "kv_forking",
+                                "scheduling"})
 
 
 def _without(options: dict, keys: frozenset[str]) -> dict:

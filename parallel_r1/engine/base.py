@@ -1,17 +1,21 @@
-"""What a rollout engine is asked for and what it returns, and the one call a backend serves.
+"""What a rollout engine is asked for and what it returns, and the calls a backend serves.
 
-The fork logic (loop.py) talks to a backend through a single batched call: "continue these
-token sequences" (`Backend.continue_batch`). Every segment of every rollout — main text, the
-N paths of a block, the summary — becomes one `SegmentRequest` carrying the full token ids so
-far, so a backend needs no notion of paths or blocks: vLLM shares the common prefix through
-its prefix cache, the transformers backend re-encodes it with the structured mask.
+The fork logic (loop.py) talks to a backend through "continue these token sequences". Every
+segment of every rollout — main text, the N paths of a block, the summary — becomes one
+`SegmentRequest` carrying the full token ids so far, so a backend needs no notion of paths or
+blocks. Two ways to serve them:
+  - `Backend.continue_batch`: one blocking batched call (a round: the loop waits for the longest
+    segment). vLLM shares the common prefix through its prefix cache.
+  - `StreamingBackend.submit` / `step`: requests join and leave a running decode batch every step,
+    so a rollout moves on as soon as its segment ends. The KV-forking transformers backend serves
+    this way and keeps each segment's KV cache for the next (`SegmentRequest.kv_key`/`kv_spans`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, Sequence
+from typing import Hashable, Literal, Protocol, Sequence
 
 from parallel_r1.errors import PipelineError
 
@@ -99,6 +103,12 @@ class SegmentRequest:
     `banned_ids` are never sampled. `structured` asks for the path-window mask and multiverse
     positions over `token_ids`; `seed` seeds this request's own sampler, so its tokens do not
     depend on which other requests share the batch.
+
+    KV hints, for backends that keep caches between segments (the others ignore them):
+    `kv_key` names this segment's KV (its token_ids and the tokens it generates) for later
+    requests; `kv_spans` says where earlier kept KV lies in `token_ids` (see `KVSpan`). A hint
+    only says where to look: the backend reuses a cached column only where it is provably what
+    encoding `token_ids` from scratch would compute, so a wrong hint costs speed, never exactness.
     """
 
     token_ids: tuple[int, ...]
@@ -109,6 +119,24 @@ class SegmentRequest:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int = 0
+    kv_key: Hashable | None = None
+    kv_spans: tuple[KVSpan, ...] = ()
+
+
+@dataclass(frozen=True)
+class KVSpan:
+    """The next `length` tokens of a request continue kept segment `key` from its token `start` on.
+
+    A request's spans are consecutive from its first token. The first continues a segment from its
+    start (`start` = 0); a later one reuses a segment that forked from the first at `start`
+    (a path, after the shared context): its columns `[start, start + length)` sit here. Tokens of
+    the span the segment does not hold yet (a path's closing `</Path>`) are encoded in that
+    segment's own context before the join.
+    """
+
+    key: Hashable
+    start: int
+    length: int
 
 
 @dataclass(frozen=True)
@@ -131,3 +159,16 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Free the backend's processes and memory."""
+
+
+class StreamingBackend(Backend, Protocol):
+    """A backend that decodes requests as a running batch: rows join and retire every step."""
+
+    def submit(self, request: SegmentRequest) -> int:
+        """Queue `request`; returns its ticket."""
+
+    def step(self) -> list[tuple[int, SegmentResult]]:
+        """Admit queued requests, decode one token for every row; (ticket, result) of each that ended."""
+
+    def release(self, keys: Sequence[Hashable]) -> None:
+        """Drop the KV kept under `keys` (no later request will name them)."""

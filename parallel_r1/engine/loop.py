@@ -1,4 +1,4 @@
-"""The official Parallel-R1 rollout loop, as a per-rollout state machine advanced in rounds.
+"""The official Parallel-R1 rollout loop, as a per-rollout state machine driven by segment results.
 
 Each rollout runs (zhengkid/Parallel-R1, parallel_thinking_loop_v3.py):
   main   generate until `<Parallel>`, EOS or the cap;
@@ -6,13 +6,21 @@ Each rollout runs (zhengkid/Parallel-R1, parallel_thinking_loop_v3.py):
          stopped at `</Path>` (EOS or the path budget: the engine closes it with `</Path>`);
   summary append `</Parallel>`, a newline and `<Summary>`, generate the summary conditioned on
          all paths until `</Summary>` (closed by the engine on EOS or budget); back to main.
-A round gathers the pending segments of *all* rollouts into one batched backend call, so paths
-of one block, and blocks of different rollouts, are generated side by side.
+A rollout's next segment is submitted as soon as its current one has ended (for paths: all of
+its block's paths), so with a streaming backend (the KV-forking transformers one) rollouts never
+wait for each other; a batch-only backend (vLLM) is driven in rounds by `_RoundBarrier`. Paths of
+one block, and segments of different rollouts, decode side by side either way.
 
 Paths are separate requests from the same context: a path never sees its siblings and starts
 at pos(`<Parallel>`) + 1 — the multiverse layout — in every backend. What differs is the
-summary and later text: the transformers backend re-encodes the context with the structured
-mask when `config.structured` (exact Unseen), vLLM uses causal attention over it.
+summary and later text: the transformers backend decodes them with the structured mask when
+`config.structured` (exact Unseen), vLLM with causal attention.
+
+Each request names its KV (`kv_key`) and where the KV of earlier segments lies in its tokens
+(`kv_spans`): a path forks the context; an Unseen summary reuses the context and every path's
+own KV (a Seen summary reuses the context and the first path: the backend checks which columns
+equal a re-encoding). Seeds are derived from (call, rollout, segment, path), not drawn in
+scheduling order, so the same seed gives the same tokens however the backend batches.
 
 Where we differ from the official loop, and why:
   - after `max_blocks` blocks `<Parallel>` is banned instead of ending the response (the
@@ -24,11 +32,13 @@ Where we differ from the official loop, and why:
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import random
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Hashable, Iterable, Sequence
 
-from parallel_r1.engine.base import Backend, Rollout, RolloutConfig, SegmentRequest, SegmentResult
+from parallel_r1.engine.base import Backend, KVSpan, Rollout, RolloutConfig, SegmentRequest, SegmentResult
 from parallel_r1.errors import PipelineError
 from parallel_r1.structure import TagIds
 
@@ -50,6 +60,14 @@ class _State:
     summary_budget: int = 0
     truncated: bool = False
     finish_reason: str = "stop"
+    index: int = 0  # rollout number within its `generate` call
+    segments: int = 0  # requests issued so far (seeds and KV keys derive from it)
+    waiting: list[SegmentResult | None] = field(default_factory=list)  # the in-flight segments' results
+    context_key: Hashable | None = None  # KV of the text before the current segment (main or summary)
+    path_keys: list[Hashable] = field(default_factory=list)
+    kept: list[Hashable] = field(default_factory=list)  # keys whose KV the backend may still hold
+    block_start: int = 0  # tokens (prompt + completion) up to and including `<Parallel>`
+    path_lengths: list[int] = field(default_factory=list)  # each path's tokens, `<Path>` to `</Path>`
 
     def sampled(self, tokens: Sequence[int], logprobs: Sequence[float]) -> None:
         self.completion.extend(tokens)
@@ -90,7 +108,8 @@ class RolloutEngine:
             hidden.add(tokenizer.pad_token_id)
         self._hidden_in_text = frozenset(hidden)
         self.separator = tuple(tokenizer.encode(SUMMARY_SEPARATOR, add_special_tokens=False))
-        self._seeds = random.Random(config.seed)
+        self._seeds = random.Random(config.seed)  # one draw per `generate` call
+        self._call_seed = 0
         # after the paths: `</Parallel>`, separator, `<Summary>`, and room for `</Summary>`
         self._after_paths = 3 + len(self.separator)
 
@@ -103,20 +122,31 @@ class RolloutEngine:
         for index, ids in enumerate(prompt_ids):
             if len(ids) == 0:
                 raise PipelineError(f"rollout engine: prompt {index} has no tokens")
-        states = [_State(tuple(int(t) for t in ids)) for ids in prompt_ids for _ in range(num_generations)]
-        while True:
-            pending = [(state, request) for state in states for request in self._requests(state)]
-            if not pending:
-                break
-            results = self.backend.continue_batch([request for _, request in pending])
-            if len(results) != len(pending):
-                raise PipelineError(f"rollout backend returned {len(results)} results for {len(pending)} requests")
-            grouped: dict[int, list[SegmentResult]] = {}
-            for (state, _), result in zip(pending, results):
-                grouped.setdefault(id(state), []).append(result)
-            for state in states:
-                if id(state) in grouped:
-                    self._advance(state, grouped[id(state)])
+        prompts = [tuple(int(t) for t in ids) for ids in prompt_ids for _ in range(num_generations)]
+        states = [_State(prompt, index=index) for index, prompt in enumerate(prompts)]
+        self._call_seed = self._seeds.getrandbits(63)
+        scheduler = self.backend if hasattr(self.backend, "step") else _RoundBarrier(self.backend)
+        in_flight: dict[int, tuple[_State, int]] = {}
+
+        def submit(state: _State) -> None:
+            requests = self._requests(state)
+            state.waiting = [None] * len(requests)
+            for slot, request in enumerate(requests):
+                in_flight[scheduler.submit(request)] = (state, slot)
+            needed = {span.key for request in requests for span in request.kv_spans}
+            scheduler.release([key for key in state.kept if key not in needed])
+            state.kept = [key for key in state.kept if key in needed]
+
+        for state in states:
+            submit(state)
+        while in_flight:
+            for ticket, result in scheduler.step():
+                state, slot = in_flight.pop(ticket)
+                state.waiting[slot] = result
+                state.kept.append(self._key(state, state.segments - 1, slot))
+                if all(r is not None for r in state.waiting):
+                    self._advance(state, state.waiting)
+                    submit(state)
         return [self._rollout(state) for state in states]
 
     def sync_weights(self, model) -> None:
@@ -131,14 +161,23 @@ class RolloutEngine:
     def _remaining(self, state: _State) -> int:
         return self.config.max_tokens - len(state.completion)
 
-    def _request(self, state: _State, extra: Sequence[int], budget: int, stop: set[int],
-                 banned: frozenset[int] = frozenset()) -> SegmentRequest:
+    def _key(self, state: _State, segment: int, slot: int) -> tuple[int, int, int, int]:
+        """Names a request: its KV key, and what its sampler seed is derived from."""
+        return (self._call_seed, state.index, segment, slot)
+
+    def _request(self, state: _State, slot: int, extra: Sequence[int], budget: int, stop: set[int],
+                 banned: frozenset[int] = frozenset(), spans: tuple[KVSpan, ...] = ()) -> SegmentRequest:
+        key = self._key(state, state.segments, slot)
         return SegmentRequest(
             token_ids=state.prompt_ids + tuple(state.completion) + tuple(extra), max_new_tokens=budget,
             stop_ids=frozenset(stop), banned_ids=banned, structured=self.config.structured,
-            temperature=self.config.temperature, top_p=self.config.top_p, seed=self._seeds.getrandbits(63))
+            temperature=self.config.temperature, top_p=self.config.top_p, seed=_derived_seed(key),
+            kv_key=key, kv_spans=spans)
 
     def _requests(self, state: _State) -> list[SegmentRequest]:
+        """The requests of `state`'s current phase, with the KV hints that let a backend fork."""
+        length = len(state.prompt_ids) + len(state.completion)
+        context = (KVSpan(state.context_key, 0, length),) if state.context_key is not None else ()
         if state.phase == MAIN:
             stop, banned = set(self.eos_ids), frozenset()
             if self.config.parallel:
@@ -146,22 +185,32 @@ class RolloutEngine:
                     stop.add(self.tags.parallel_open)
                 else:
                     banned = frozenset({self.tags.parallel_open})
-            return [self._request(state, (), self._remaining(state), stop, banned)]
-        if state.phase == PATHS:
+            requests = [self._request(state, 0, (), self._remaining(state), stop, banned, context)]
+        elif state.phase == PATHS:
             stop = set(self.eos_ids) | {self.tags.path_close}
-            return [self._request(state, (self.tags.path_open,), state.path_budget, stop)
-                    for _ in range(self.config.num_paths)]
-        if state.phase == SUMMARY:
+            requests = [self._request(state, slot, (self.tags.path_open,), state.path_budget, stop,
+                                      spans=context) for slot in range(self.config.num_paths)]
+        elif state.phase == SUMMARY:
             stop = set(self.eos_ids) | {self.tags.summary_close}
-            return [self._request(state, (), state.summary_budget, stop)]
-        return []
+            paths = zip(state.path_keys, state.path_lengths)
+            spans = (KVSpan(state.context_key, 0, state.block_start),
+                     *(KVSpan(key, state.block_start, length) for key, length in paths))
+            requests = [self._request(state, 0, (), state.summary_budget, stop, spans=spans)]
+        else:
+            return []
+        state.segments += 1
+        return requests
 
     def _advance(self, state: _State, results: list[SegmentResult]) -> None:
+        keys = [self._key(state, state.segments - 1, slot) for slot in range(len(results))]
         if state.phase == MAIN:
+            state.context_key = keys[0]
             self._after_main(state, results[0])
         elif state.phase == PATHS:
+            state.path_keys = keys
             self._after_paths_done(state, results)
         elif state.phase == SUMMARY:
+            state.context_key, state.path_keys, state.path_lengths = keys[0], [], []
             self._close_segment(state, results[0], self.tags.summary_close)
             state.num_blocks += 1
             self._resume(state)
@@ -181,9 +230,12 @@ class RolloutEngine:
         state.path_budget, state.phase = share - 2, PATHS
 
     def _after_paths_done(self, state: _State, results: list[SegmentResult]) -> None:
+        state.block_start = len(state.prompt_ids) + len(state.completion)
         for result in results:
+            before = len(state.completion)
             state.inserted((self.tags.path_open,))
             self._close_segment(state, result, self.tags.path_close)
+            state.path_lengths.append(len(state.completion) - before)
         state.inserted((self.tags.parallel_close, *self.separator, self.tags.summary_open))
         room = self._remaining(state) - 1  # keep one token for `</Summary>`
         if room >= 1:
@@ -191,6 +243,7 @@ class RolloutEngine:
             return
         state.inserted((self.tags.summary_close,))
         state.num_blocks += 1
+        state.context_key, state.path_keys, state.path_lengths = None, [], []  # no summary KV to continue
         self._resume(state)
 
     def _close_segment(self, state: _State, result: SegmentResult, closing: int) -> None:
@@ -221,3 +274,34 @@ class RolloutEngine:
             logprobs=list(state.logprobs), env_mask=list(state.env_mask),
             text=self.tokenizer.decode(shown, skip_special_tokens=False),
             truncated=state.truncated, num_blocks=state.num_blocks, finish_reason=state.finish_reason)
+
+
+def _derived_seed(key: tuple) -> int:
+    """A request's sampler seed from its (call seed, rollout, segment, path): independent of scheduling."""
+    digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class _RoundBarrier:
+    """Drives a batch-only backend (`continue_batch`) through the streaming calls: each `step`
+    serves everything submitted since the last one in one blocking call (a round)."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self._queued: list[tuple[int, SegmentRequest]] = []
+        self._tickets = itertools.count()
+
+    def submit(self, request: SegmentRequest) -> int:
+        ticket = next(self._tickets)
+        self._queued.append((ticket, request))
+        return ticket
+
+    def step(self) -> list[tuple[int, SegmentResult]]:
+        queued, self._queued = self._queued, []
+        results = self.backend.continue_batch([request for _, request in queued]) if queued else []
+        if len(results) != len(queued):
+            raise PipelineError(f"rollout backend returned {len(results)} results for {len(queued)} requests")
+        return [(ticket, result) for (ticket, _), result in zip(queued, results)]
+
+    def release(self, keys: Sequence[Hashable]) -> None:
+        """Nothing is kept between rounds."""
