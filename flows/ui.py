@@ -22,6 +22,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from parallel_r1 import tracking
 from parallel_r1.errors import PipelineError
 
 HOST = "127.0.0.1"
@@ -122,6 +123,17 @@ def port_free(port: int) -> bool:
     return True
 
 
+def close_orphaned_runs() -> None:
+    """Runs left RUNNING by a killed process are marked KILLED, so the UI shows the truth."""
+    try:
+        closed = tracking.close_orphaned_runs()
+    except Exception as err:  # noqa: BLE001 - a bad tracking store must not stop the servers
+        print(f"warning: could not close orphaned MLflow runs ({str(err).splitlines()[0]})", file=sys.stderr)
+        return
+    if closed:
+        print(f"MLflow: {len(closed)} run(s) left RUNNING by a killed process marked KILLED", flush=True)
+
+
 def main() -> None:
     root = Path.cwd()
     prefect_port = int(os.environ.get(PREFECT_PORT_ENV, DEFAULT_PREFECT_PORT))
@@ -133,6 +145,7 @@ def main() -> None:
     # process launched from a background job (`make ui &`, CI scripts) inherits it ignored.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _interrupt)
+    close_orphaned_runs()
     logs = root / ".prefect" / "logs"
     services: list[Service] = []
     interrupted = False

@@ -66,7 +66,8 @@ def read_json(path: str | os.PathLike) -> Any:
         return json.loads(data.decode("utf-8"))
     except UnicodeDecodeError as err:
         line = data.count(b"\n", 0, err.start) + 1
-        raise PipelineError(f"{path}:{line}: not valid UTF-8 (byte {err.start + 1} of the file); corrupt file?") from None
+        raise PipelineError(f"{path}:{line}: not valid UTF-8 (byte {err.start + 1} of the file); "
+                            "corrupt file?") from None
     except json.JSONDecodeError as err:
         raise PipelineError(f"{path}:{err.lineno}: not valid JSON ({err.msg}, column {err.colno})") from None
 
@@ -83,7 +84,8 @@ def read_jsonl(path: str | os.PathLike, required: Iterable[str] = (), allow_empt
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:
-                raise PipelineError(f"{path}:{lineno}: not valid UTF-8 (byte {err.start + 1} of the line)") from None
+                raise PipelineError(f"{path}:{lineno}: not valid UTF-8 "
+                                    f"(byte {err.start + 1} of the line)") from None
             if not line.strip():
                 continue
             try:

@@ -29,6 +29,7 @@ import hashlib
 import json
 import logging
 import os
+import socket
 import subprocess
 import urllib.request
 from dataclasses import dataclass, field
@@ -53,6 +54,10 @@ TAG_PROFILE = "profile"
 TAG_PARAMS_HASH = "params_hash"
 TAG_VARIANT = "variant"
 TAG_REWARD_SCHEDULE = "reward_schedule"
+# The process that owns a run, so a later run can tell a live run from one orphaned by kill -9.
+TAG_HOST = "process.host"
+TAG_PID = "process.pid"
+TAG_STARTED = "process.started"
 
 # Env vars of transformers' MLflowCallback, pinned while a stage run is active (see module doc).
 _CALLBACK_ENV = {"MLFLOW_RUN_ID": None, "MLFLOW_NESTED_RUN": "false",
@@ -297,6 +302,59 @@ def run_url(run_id: str) -> str | None:
     return f"{uri.rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}" if run else None
 
 
+def process_tags(pid: int | None = None) -> dict[str, str]:
+    """Host, pid and start time of a process (default: this one): who owns a run."""
+    import psutil
+
+    process = psutil.Process(pid)
+    return {TAG_HOST: socket.gethostname(), TAG_PID: str(process.pid), TAG_STARTED: f"{process.create_time():.2f}"}
+
+
+def _is_orphaned(tags: Mapping[str, str]) -> bool:
+    """A RUNNING run whose owner, on this host, is gone (its pid dead or reused by a later process).
+
+    Runs of other hosts, and runs made before these tags existed, are never judged: only the
+    owner's machine can tell whether the process is alive.
+    """
+    import psutil
+
+    if tags.get(TAG_HOST) != socket.gethostname() or not str(tags.get(TAG_PID, "")).isdigit():
+        return False
+    try:
+        return process_tags(int(tags[TAG_PID]))[TAG_STARTED] != tags.get(TAG_STARTED)
+    except psutil.Error:   # no such process (or not ours to inspect: then it is alive)
+        return not psutil.pid_exists(int(tags[TAG_PID]))
+
+
+def close_orphaned_runs(name: str | None = None, params: Mapping[str, Any] | None = None,
+                        experiment: str | None = None) -> list[str]:
+    """Mark KILLED the RUNNING runs (all, or those named `name`) whose process died without ending them.
+
+    A `kill -9` (or a lost machine) never runs `stage_run`'s finally, so its run would stay RUNNING
+    forever and the MLflow UI would compare it as live. Called by every stage run for its own name
+    and by `make ui` for all. Live runs (a concurrent sweep's) are left alone. Returns the ids closed.
+    """
+    if not enabled():
+        return []
+    client = _client()
+    found = client.get_experiment_by_name(experiment or experiment_name(params))
+    if found is None:
+        return []
+    query = "attributes.status = 'RUNNING'"
+    if name is not None:
+        query += " and attributes.run_name = '{}'".format(name.replace("'", "\\'"))
+    closed = []
+    for run in client.search_runs([found.experiment_id], query, max_results=1000):
+        if _is_orphaned(run.data.tags):
+            client.set_tag(run.info.run_id, "killed_reason", "its process died without ending the run")
+            client.set_terminated(run.info.run_id, status="KILLED")
+            closed.append(run.info.run_id)
+    if closed:
+        log.warning("tracking: marked %d orphaned RUNNING run(s)%s KILLED", len(closed),
+                    f" of {name}" if name else "")
+    return closed
+
+
 def _end_status(error: BaseException | None) -> str:
     """How a run ends: FINISHED (no error, or exit code 0), KILLED (Ctrl-C), else FAILED."""
     if error is None or (isinstance(error, SystemExit) and error.code in (0, None)):
@@ -356,7 +414,8 @@ def _create_run(name: str, params: Mapping[str, Any] | None, tags: Mapping[str, 
     experiment_id = _guard("open the experiment", lambda: _experiment_id(experiment or experiment_name(params)))
     if experiment_id is None:
         return None
-    all_tags = dict(tags)
+    _guard("close orphaned runs", lambda: close_orphaned_runs(name, params, experiment), disable=False)
+    all_tags = {**dict(tags), **process_tags()}
     if parent_run_id and _guard("find parent run " + parent_run_id, lambda: _client().get_run(parent_run_id),
                                 disable=False):
         all_tags["mlflow.parentRunId"] = parent_run_id

@@ -30,24 +30,30 @@ def main() -> None:
     if config.sft_dataset not in datasets:
         raise PipelineError(f"params.yaml filter.sft_dataset: {config.sft_dataset!r} is not in generate.datasets")
     with tracking.stage_run("filter", params=params):
+        # Every dataset is read and filtered before anything is written, so a bad file or an empty
+        # SFT set leaves all previous outputs as they were instead of half of them replaced.
+        results = {}
         for name in datasets:
             path = f"data/teacher/{name}.jsonl"
             rows = read_jsonl(path, required=TEACHER_FIELDS)
             for lineno, row in enumerate(rows, start=1):
-                if not isinstance(row.get("completion"), str):
-                    raise PipelineError(f"{path}:{lineno}: field completion must be a string")
+                if "completion" not in row:
+                    raise PipelineError(f"{path}:{lineno}: missing field completion")
+                if not isinstance(row["completion"], str):
+                    raise PipelineError(f"{path}:{lineno}: field completion must be a string, "
+                                        f"got {type(row['completion']).__name__}")
             result = filter_outputs(rows, config)
-            metrics = result.metrics(name, rows[0]["source"], rows[0]["model"])
+            if name == config.sft_dataset and not result.kept:
+                raise PipelineError(f"{path}: the filter kept 0 of {len(rows)} rows — no SFT data "
+                                    f"({result.metrics(name, '', '')['reasons']})")
+            results[name] = (result, result.metrics(name, rows[0]["source"], rows[0]["model"]))
+        for name, (result, metrics) in results.items():
             write_json(f"metrics/filter/{name}.json", metrics)
             tracking.log_metrics({f"{name}.{key}": metrics[key] for key in TRACKED})
             print(f"{name}: {metrics['valid']}/{metrics['examples']} valid ({metrics['valid_pct']}%), "
                   f"{metrics['kept']} kept, reasons {metrics['reasons']}")
             if name == config.sft_dataset:
-                out = f"data/sft/parallel_{name}.jsonl"
-                write_jsonl(out, result.kept)
-                if not result.kept:
-                    raise PipelineError(f"{path}: the filter kept 0 of {len(rows)} rows — no SFT data "
-                                        f"(see metrics/filter/{name}.json)")
+                write_jsonl(f"data/sft/parallel_{name}.jsonl", result.kept)
 
 
 if __name__ == "__main__":

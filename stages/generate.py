@@ -86,20 +86,24 @@ def main(argv: list[str] | None = None) -> None:
     name = args[0]
     spec = datasets[name]
     limit = spec.get("limit")
-    if limit is not None and limit < 0:
-        raise PipelineError(f"params.yaml generate.datasets.{name}.limit: must be >= 0, got {limit}")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        raise PipelineError(f"params.yaml generate.datasets.{name}.limit: must be an integer >= 0 or null, "
+                            f"got {limit!r}")
+    if "source" not in spec:
+        raise PipelineError(f"params.yaml generate.datasets.{name}: missing key 'source'")
+    if spec["source"] not in ("model", "released"):
+        raise PipelineError(f"params.yaml generate.datasets.{name}.source: expected 'model' or 'released', "
+                            f"got {spec['source']!r}")
     mirror = section(params, "data").get("mirror_dir")
     tags = {"source": spec.get("source"), "teacher": gen.get("teacher") if spec.get("source") == "model" else None}
     with tracking.stage_run("generate", name, params, tags=tags):
         tokenizer = load_tokenizer(BASE_MODEL)
         if spec.get("source") == "released":
             rows = released_rows(mirror, limit, tokenizer)
-        elif spec.get("source") == "model":
-            problems = load_problems(section(spec, "problems"), mirror, limit)
-            rows = model_rows(name, problems, gen, int(params.get("seed", 0)), tokenizer)
         else:
-            raise PipelineError(f"params.yaml generate.datasets.{name}.source: expected 'model' or 'released', "
-                                f"got {spec.get('source')!r}")
+            problems = load_problems(section(params, "generate", "datasets", name, "problems"), mirror,
+                                     limit)
+            rows = model_rows(name, problems, gen, int(params.get("seed", 0)), tokenizer)
         count = write_jsonl(f"data/teacher/{name}.jsonl", rows)
         Path(f"data/teacher/.{name}.partial.jsonl").unlink(missing_ok=True)
         print(f"data/teacher/{name}.jsonl: {count} teacher outputs")

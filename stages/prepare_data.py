@@ -10,27 +10,42 @@ each cut to the profile's `limit`.
 from __future__ import annotations
 
 from parallel_r1 import tracking
-from parallel_r1.data import load_problems
+from parallel_r1.data import SOURCES, load_problems
 from parallel_r1.errors import PipelineError
 from parallel_r1.io import write_jsonl
 from stages.common import load_params, section, stage_main
+
+
+def check_entry(where: str, spec: object) -> None:
+    """A `data.<group>.<name>` entry, checked before any dataset is read (param path in the message)."""
+    if not isinstance(spec, dict):
+        raise PipelineError(f"{where}: expected a mapping with source and limit, got {spec!r}")
+    if "source" not in spec:
+        raise PipelineError(f"{where}: missing key 'source'")
+    if spec["source"] not in SOURCES:
+        raise PipelineError(f"{where}.source: unknown dataset {spec['source']!r} "
+                            f"(choose from {', '.join(SOURCES)})")
+    limit = spec.get("limit")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise PipelineError(f"{where}.limit: must be an integer >= 1 or null, got {limit!r}")
 
 
 @stage_main
 def main() -> None:
     params = load_params()
     mirror = section(params, "data").get("mirror_dir")
+    entries = [(group, name, spec) for group in ("rl", "eval")
+               for name, spec in section(params, "data", group).items()]
+    for group, name, spec in entries:
+        check_entry(f"params.yaml data.{group}.{name}", spec)
     with tracking.stage_run("prepare_data", params=params):
-        for group in ("rl", "eval"):
-            for name, spec in section(params, "data", group).items():
-                if "source" not in spec:
-                    raise PipelineError(f"params.yaml data.{group}.{name}: missing key 'source'")
-                problems = load_problems(spec["source"], mirror, spec.get("limit"))
-                if not problems:
-                    raise PipelineError(f"params.yaml data.{group}.{name}: limit leaves no problems")
-                count = write_jsonl(f"data/{group}/{name}.jsonl", problems)
-                tracking.log_metrics({f"{group}.{name}.problems": count})
-                print(f"data/{group}/{name}.jsonl: {count} problems from {spec['source']}")
+        # Everything is loaded before anything is written: a bad dataset leaves every output as it was.
+        loaded = [(group, name, spec["source"], load_problems(spec["source"], mirror, spec.get("limit")))
+                  for group, name, spec in entries]
+        for group, name, source, problems in loaded:
+            count = write_jsonl(f"data/{group}/{name}.jsonl", problems)
+            tracking.log_metrics({f"{group}.{name}.problems": count})
+            print(f"data/{group}/{name}.jsonl: {count} problems from {source}")
 
 
 if __name__ == "__main__":

@@ -66,7 +66,8 @@ def test_invalid_utf8_in_a_jsonl_line_is_one_line_with_file_and_line(workdir, ca
 
     good = json.dumps(teacher_row()).encode()
     write_teacher(workdir, "gsm8k", good + b"\n" + good.replace(b'"q"', b'"\xff\xfeq"') + b"\n")
-    assert one_line(main, capsys) == "error: data/teacher/gsm8k.jsonl:2: not valid UTF-8 (byte 28 of the line)"
+    line = one_line(main, capsys)
+    assert line == "error: data/teacher/gsm8k.jsonl:2: not valid UTF-8 (byte 28 of the line)"
 
 
 def test_invalid_utf8_in_a_json_file_names_file_and_line(tmp_path):

@@ -24,7 +24,8 @@ def mirror_deps() -> dict[str, set[str]]:
 
     mirror = yaml.safe_load((REPO / "params.yaml").read_text())["data"]["mirror_dir"].rstrip("/") + "/"
     with Repo(str(REPO)) as repo:
-        return {stage.addressing: {d.def_path[len(mirror):] for d in stage.deps if d.def_path.startswith(mirror)}
+        return {stage.addressing: {d.def_path[len(mirror):] for d in stage.deps
+                                   if d.def_path.startswith(mirror)}
                 for stage in repo.index.stages}
 
 
@@ -53,7 +54,8 @@ def test_stages_depend_on_exactly_the_mirror_files_they_read():
 
 def dvc(repo: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PARALLEL_R1_TRACKING": "off"}
-    return subprocess.run([sys.executable, "-m", "dvc", *args], cwd=repo, env=env, capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "dvc", *args], cwd=repo, env=env, capture_output=True,
+                          text=True)
 
 
 def test_mirror_edit_makes_dvc_status_report_the_stage(tmp_path):

@@ -70,7 +70,7 @@ def test_malformed_completion_type(workdir, capsys):
 
     write_teacher(workdir, "gsm8k", json.dumps(teacher_row(completion=["not", "text"])) + "\n")
     write_teacher(workdir, "dapo", json.dumps(teacher_row()) + "\n")
-    assert run_stage(main, capsys) == "error: data/teacher/gsm8k.jsonl:1: field completion must be a string"
+    assert run_stage(main, capsys) == "error: data/teacher/gsm8k.jsonl:1: field completion must be a string, got list"
 
 
 def test_negative_sample_count(workdir, capsys):
@@ -81,7 +81,7 @@ def test_negative_sample_count(workdir, capsys):
     (workdir / "params.yaml").write_text(params.replace("dapo: {limit: 8}", "dapo: {limit: -3}"))
     assert load_params()["generate"]["datasets"]["dapo"]["limit"] == -3
     line = run_stage(main, capsys, ["dapo"])
-    assert line == "error: params.yaml generate.datasets.dapo.limit: must be >= 0, got -3"
+    assert line == "error: params.yaml generate.datasets.dapo.limit: must be an integer >= 0 or null, got -3"
 
 
 def test_unknown_profile(workdir, capsys):
