@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from transformers import TrainerCallback
 
 from parallel_r1.engine import resolve_engine, vllm_available
@@ -42,7 +43,10 @@ def trainer_with(opts: RLOptions, init_dir: Path, tmp_path: Path, tokenizer, cal
 # ---------------------------------------------------------------------------------- 1. importance sampling
 
 
-@pytest.mark.parametrize("profile", ["paper", "tiny"])
+PROFILES = sorted(yaml.safe_load((REPO / "params.yaml").read_text(encoding="utf-8"))["profiles"])
+
+
+@pytest.mark.parametrize("profile", PROFILES)
 def test_vllm_importance_sampling_correction_is_off_in_every_profile(profile, tmp_path):
     params = load_params(REPO / "params.yaml", profile)
     assert params["rl"]["vllm_importance_sampling_correction"] is False
