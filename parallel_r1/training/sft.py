@@ -47,6 +47,7 @@ from parallel_r1.models import load_model
 from parallel_r1.prompts import render_prompt
 from parallel_r1.structure import Structure, TagIds, attention_inputs, build_structure
 from parallel_r1.training.checkpoints import check_scheduler, file_signature, resume_point, trainer_arguments
+from parallel_r1.training.saving import save_full_model
 
 Variant = Literal["seen", "unseen"]
 VARIANTS: tuple[str, ...] = ("seen", "unseen")
@@ -282,7 +283,7 @@ def train_sft(options: SFTOptions, base_dir: str | os.PathLike, rows: Sequence[M
 
     staging = checkpoint_dir / "final"
     trainer.model.config.use_cache = True
-    trainer.save_model(str(staging))  # every process joins the gather; the main one writes
+    save_full_model(trainer, staging)  # every process joins the gather (FSDP2 too); the main one writes
     state.wait_for_everyone()
     if state.is_main_process:
         with atomic_path(out_dir, is_dir=True) as tmp:
