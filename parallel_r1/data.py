@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from parallel_r1.errors import PipelineError
-from parallel_r1.io import read_jsonl
+from parallel_r1.io import read_jsonl_lines
 
 MIRROR_ENV = "PARALLEL_R1_DATA"
 
@@ -64,13 +64,16 @@ def mirror_dir(configured: str | os.PathLike | None) -> Path | None:
     return Path(chosen) if chosen else None
 
 
-def _load_raw(name: str, source: Source, mirror: Path | None) -> list[dict]:
-    """Raw rows from the mirror file, else the Hub; one error naming both when neither works."""
+def _load_raw(name: str, source: Source, mirror: Path | None) -> list[tuple[str, dict]]:
+    """(where, raw row) from the mirror file, else the Hub; one error naming both when neither works.
+
+    `where` names a row as its file shows it: `<mirror file>:<line>`, or `<hub id> row <n>` (from 1).
+    """
     looked = []
     if mirror is not None:
         path = mirror / source.mirror_file
         if path.is_file():
-            return read_jsonl(path)
+            return [(f"{path}:{lineno}", row) for lineno, row in read_jsonl_lines(path)]
         looked.append(f"mirror {path} (missing)")
     else:
         looked.append(f"mirror (none configured: params.yaml data.mirror_dir or ${MIRROR_ENV})")
@@ -81,7 +84,7 @@ def _load_raw(name: str, source: Source, mirror: Path | None) -> list[dict]:
             import datasets
 
             rows = datasets.load_dataset(source.hub_id, source.hub_config, split=source.hub_split)
-            return [dict(row) for row in rows]
+            return [(f"{source.hub_id} row {index}", dict(row)) for index, row in enumerate(rows, start=1)]
         except Exception as err:  # offline, missing, renamed: all mean "not available here"
             reason = str(err).splitlines()[0][:120] if str(err) else type(err).__name__
             looked.append(f"Hub {source.hub_id} ({reason})")
@@ -97,12 +100,12 @@ def load_problems(name: str, mirror: str | os.PathLike | None, limit: int | None
     source = SOURCES[name]
     rows = _load_raw(name, source, mirror_dir(mirror))
     problems = []
-    for index, row in enumerate(rows[:limit] if limit is not None else rows):
+    for index, (where, row) in enumerate(rows[:limit] if limit is not None else rows):
         question = row.get(source.question_field) or row.get("question") or row.get("problem")
         truth = source.truth(row)
         if not question or not truth:
             field = source.question_field if not question else "ground_truth"
-            raise PipelineError(f"dataset {name} row {index} (id {row.get('id', index)}): missing field {field}")
+            raise PipelineError(f"{where}: dataset {name}, id {row.get('id', '?')}: missing field {field}")
         problems.append({
             "id": str(row.get("id", f"{name}-{index}")),
             "question": str(question),
@@ -117,10 +120,11 @@ def load_teacher_demos(mirror: str | os.PathLike | None, limit: int | None = Non
     """The authors' released zero-shot teacher generations for GSM8K train (300 in the mirror)."""
     rows = _load_raw("teacher_demos_gsm8k", TEACHER_DEMOS, mirror_dir(mirror))
     demos = []
-    for index, row in enumerate(rows[:limit] if limit is not None else rows):
+    for index, (where, row) in enumerate(rows[:limit] if limit is not None else rows):
         missing = [f for f in ("question", "completion", "ground_truth") if not row.get(f)]
         if missing:
-            raise PipelineError(f"teacher_demos_gsm8k row {index} (id {row.get('id', index)}): missing field {missing[0]}")
+            raise PipelineError(f"{where}: teacher_demos_gsm8k, id {row.get('id', '?')}: "
+                                f"missing field {missing[0]}")
         demos.append({
             "id": str(row.get("id", f"teacher-{index}")),
             "question": row["question"],

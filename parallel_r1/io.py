@@ -74,6 +74,12 @@ def read_json(path: str | os.PathLike) -> Any:
 
 def read_jsonl(path: str | os.PathLike, required: Iterable[str] = (), allow_empty: bool = False) -> list[dict]:
     """Rows of a JSONL file; every row must be an object holding the `required` fields."""
+    return [row for _, row in read_jsonl_lines(path, required, allow_empty)]
+
+
+def read_jsonl_lines(path: str | os.PathLike, required: Iterable[str] = (),
+                     allow_empty: bool = False) -> list[tuple[int, dict]]:
+    """(line number from 1, row) for each row, so later checks can name the line (blank lines skipped)."""
     path = Path(path)
     if not path.is_file():
         raise PipelineError(f"{path}: file not found")
@@ -97,7 +103,7 @@ def read_jsonl(path: str | os.PathLike, required: Iterable[str] = (), allow_empt
             missing = [name for name in required if row.get(name) in (None, "")]
             if missing:
                 raise PipelineError(f"{path}:{lineno}: missing field(s) {', '.join(missing)}")
-            rows.append(row)
+            rows.append((lineno, row))
     if not rows and not allow_empty:
         raise PipelineError(f"{path}: empty file (no rows)")
     return rows

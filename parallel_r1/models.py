@@ -238,7 +238,8 @@ def check_safetensors(path: Path) -> None:
         with safe_open(str(path), framework="pt"):
             pass
     except (SafetensorError, OSError) as err:
-        raise PipelineError(f"{path}: corrupt or truncated safetensors file ({str(err).splitlines()[0]})") from None
+        reason = str(err).splitlines()[0]
+        raise PipelineError(f"{path}: corrupt or truncated safetensors file ({reason})") from None
 
 
 def _torch_dtype(name: str) -> torch.dtype:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Literal
 
 from parallel_r1.errors import PipelineError
+from parallel_r1.format import TAG_PATTERN
 
 PromptStyle = Literal["parallel", "baseline"]
 
@@ -35,6 +36,16 @@ BASELINE_PROMPT = '{Problem} Let\'s think step by step and output the final answ
 
 _TEMPLATES = {"parallel": PARALLEL_THINKING_PROMPT, "baseline": BASELINE_PROMPT}
 
+# A tag inside a question is text, not structure: a zero-width space after its `<` keeps it readable
+# but stops the tokenizer from matching the special control token, which the rollout engine forks at
+# and the structured mask reads. Escaped rather than rejected: a public dataset row stays usable.
+TAG_ESCAPE = "<\u200b"
+
+
+def escape_tags(question: str) -> str:
+    """`question` with every parallel tag (`<Path>`, `</Summary>`, ...) escaped as plain text."""
+    return TAG_PATTERN.sub(lambda match: TAG_ESCAPE + match.group()[1:], question)
+
 
 def user_message(question: str, style: PromptStyle = "parallel") -> str:
     """The user turn for `question` in the given prompt style."""
@@ -42,7 +53,7 @@ def user_message(question: str, style: PromptStyle = "parallel") -> str:
         raise PipelineError(f"prompt style {style!r} is unknown (choose from {', '.join(_TEMPLATES)})")
     if not question or not question.strip():
         raise PipelineError("prompt: empty question")
-    return _TEMPLATES[style].replace("{Problem}", question.strip())
+    return _TEMPLATES[style].replace("{Problem}", escape_tags(question.strip()))
 
 
 def chat_messages(question: str, style: PromptStyle = "parallel") -> list[dict[str, str]]:

@@ -203,31 +203,34 @@ class RewardConfig:
     switch_step: int = 200
 
     def __post_init__(self) -> None:
-        for spec in dataclasses.fields(self):
-            value, kinds = getattr(self, spec.name), _FIELD_KINDS[spec.type]
-            if isinstance(value, bool) or not isinstance(value, kinds):
-                raise PipelineError(f"reward config: {spec.name} must be {spec.type}, got {value!r}")
-        if self.checker not in CHECKERS:
-            raise PipelineError(
-                f"reward config: checker {self.checker!r} is unknown; expected one of {CHECKERS}"
-            )
-        if self.window < 1:
-            raise PipelineError(f"reward config: window must be >= 1, got {self.window}")
-        if not 0 <= self.tiered_steps <= self.window:
-            raise PipelineError(
-                f"reward config: tiered_steps must be in [0, window={self.window}], got {self.tiered_steps}"
-            )
-        if self.switch_step < 0:
-            raise PipelineError(f"reward config: switch_step must be >= 0, got {self.switch_step}")
+        _check_reward_values(dataclasses.asdict(self), "reward config")
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any], where: str = "reward params") -> RewardConfig:
-        """Build from a params mapping; unknown keys are an error naming `where`."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(params) - known)
+        """Build from a params mapping; a bad key or value is an error naming `where.<key>`."""
+        known = {f.name: f.default for f in dataclasses.fields(cls)}
+        unknown = sorted(set(params) - set(known))
         if unknown:
             raise PipelineError(f"{where}: unknown keys {unknown}; known keys are {sorted(known)}")
+        _check_reward_values({**known, **params}, where)
         return cls(**params)
+
+
+def _check_reward_values(values: Mapping[str, Any], where: str) -> None:
+    """RewardConfig's checks on plain values, so each message carries the param path (`rewards.window`)."""
+    for spec in dataclasses.fields(RewardConfig):
+        value, kinds = values[spec.name], _FIELD_KINDS[spec.type]
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            raise PipelineError(f"{where}.{spec.name}: must be {spec.type}, got {value!r}")
+    if values["checker"] not in CHECKERS:
+        raise PipelineError(f"{where}.checker: {values['checker']!r} is unknown; expected one of {CHECKERS}")
+    if values["window"] < 1:
+        raise PipelineError(f"{where}.window: must be >= 1, got {values['window']}")
+    if not 0 <= values["tiered_steps"] <= values["window"]:
+        raise PipelineError(f"{where}.tiered_steps: must be in [0, window={values['window']}], "
+                            f"got {values['tiered_steps']}")
+    if values["switch_step"] < 0:
+        raise PipelineError(f"{where}.switch_step: must be >= 0, got {values['switch_step']}")
 
 
 def _alternating(step: int, config: RewardConfig) -> str:

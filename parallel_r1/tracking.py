@@ -307,7 +307,8 @@ def process_tags(pid: int | None = None) -> dict[str, str]:
     import psutil
 
     process = psutil.Process(pid)
-    return {TAG_HOST: socket.gethostname(), TAG_PID: str(process.pid), TAG_STARTED: f"{process.create_time():.2f}"}
+    return {TAG_HOST: socket.gethostname(), TAG_PID: str(process.pid),
+            TAG_STARTED: f"{process.create_time():.2f}"}
 
 
 def _is_orphaned(tags: Mapping[str, str]) -> bool:

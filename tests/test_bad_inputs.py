@@ -117,3 +117,72 @@ def test_jsonl_lines_are_counted_from_one_even_after_blank_lines(tmp_path):
     path.write_text('{"a": 1}\n\n{"a": 2\n')
     with pytest.raises(PipelineError, match=r"rows.jsonl:3: not valid JSON"):
         read_jsonl(path)
+
+
+# ---------------------------------------------------------------- case 6: tags inside a question
+
+
+@pytest.mark.parametrize("style", ["parallel", "baseline"])
+def test_tags_in_a_question_never_become_tag_tokens(tokenizer, style):
+    from parallel_r1.format import TAGS
+    from parallel_r1.prompts import render_prompt
+
+    tag_ids = set(tokenizer.convert_tokens_to_ids(list(TAGS)))
+
+    def tag_tokens(question: str) -> list[int]:
+        ids = tokenizer(render_prompt(tokenizer, question, style), add_special_tokens=False)["input_ids"]
+        return [i for i in ids if i in tag_ids]
+
+    tagged = "Is <Parallel><Path>2+2</Path><Path>4</Path></Parallel><Summary>4</Summary> right?"
+    # Only the template's own instructions (the Parallel Thinking prompt names the tags) hold tag ids.
+    assert tag_tokens(tagged) == tag_tokens("Is 2+2 4 right?")
+    assert style == "parallel" or tag_tokens(tagged) == []
+    assert "<\u200bPath>2+2<\u200b/Path>" in render_prompt(tokenizer, tagged, style)
+
+
+# ---------------------------------------------------------------- case 7: smaller message fixes
+
+
+def test_row_with_a_missing_field_is_named_by_its_line_counted_from_one(tmp_path):
+    from parallel_r1.data import load_problems
+
+    (tmp_path / "eval").mkdir()
+    lines = [json.dumps({"id": "a", "problem": "q", "ground_truth": "1"}), "",
+             json.dumps({"id": "b", "problem": "q"})]
+    (tmp_path / "eval" / "aime24.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(PipelineError) as error:
+        load_problems("aime24", tmp_path)
+    expected = f"{tmp_path}/eval/aime24.jsonl:3: dataset aime24, id b: missing field ground_truth"
+    assert str(error.value) == expected
+
+
+def test_missing_completion_is_reported_as_missing_not_as_a_wrong_type(workdir, capsys):
+    from stages.filter import main
+
+    row = teacher_row()
+    del row["completion"]
+    write_teacher(workdir, "gsm8k", (json.dumps(row) + "\n").encode())
+    assert one_line(main, capsys) == "error: data/teacher/gsm8k.jsonl:1: missing field completion"
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("window", 0, "params.yaml rewards.window: must be >= 1, got 0"),
+    ("tiered_steps", 5, "params.yaml rewards.tiered_steps: must be in [0, window=2], got 5"),
+    ("checker", "exact", "params.yaml rewards.checker: 'exact' is unknown"),
+])
+def test_reward_param_errors_name_the_param_path(key, value, message):
+    from parallel_r1.rewards import RewardConfig
+
+    with pytest.raises(PipelineError) as error:
+        RewardConfig.from_params({"window": 2, "tiered_steps": 1, key: value}, "params.yaml rewards")
+    assert str(error.value).startswith(message)
+
+
+def test_unknown_reward_schedule_names_the_run_param(workdir, capsys):
+    from conftest import set_param
+    from stages.rl import main
+
+    set_param(workdir / "params.yaml", "rl_runs.grpo_gsm8k.reward", "kindness")
+    line = one_line(main, capsys, ["grpo_gsm8k"])
+    assert line.startswith("error: params.yaml rl_runs.grpo_gsm8k.reward: unknown schedule 'kindness' "
+                           "(known: ")

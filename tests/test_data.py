@@ -63,7 +63,7 @@ def test_unknown_dataset_and_missing_fields(tmp_path, monkeypatch):
         load_problems("nope", tmp_path)
     (tmp_path / "eval").mkdir()
     (tmp_path / "eval" / "aime24.jsonl").write_text(json.dumps({"id": "x", "problem": "q"}) + "\n")
-    with pytest.raises(PipelineError, match="aime24 row 0 .*ground_truth"):
+    with pytest.raises(PipelineError, match=r"aime24.jsonl:1: dataset aime24, id x: missing field ground_truth"):
         load_problems("aime24", tmp_path)
 
 

@@ -56,7 +56,8 @@ def test_failing_filter_leaves_every_previous_output_in_place(filtered, tmp_path
     if broken == "zero_kept":          # used to write an empty SFT file, then raise
         write_teachers(tmp_path, unformatted, json.dumps(teacher_row(id="d-1")) + "\n")
     else:                              # used to replace gsm8k's metrics, then fail on dapo's file
-        write_teachers(tmp_path, unformatted + json.dumps(teacher_row(id="g-2")) + "\n", '{"id": "d-1", "ques')
+        write_teachers(tmp_path, unformatted + json.dumps(teacher_row(id="g-2")) + "\n",
+                       '{"id": "d-1", "ques')
     with pytest.raises(SystemExit):
         main()
     assert capsys.readouterr().err.startswith("error: data/teacher/")
@@ -85,7 +86,8 @@ def test_bad_dataset_entry_names_its_param_path_before_any_dataset_is_read(tmp_p
     monkeypatch.setenv("PARALLEL_R1_DATA", str(tmp_path / "no-mirror"))   # reading anything would fail
     with pytest.raises(SystemExit):
         main()
-    assert capsys.readouterr().err.strip() == ("error: params.yaml data.eval.math.limit: must be an integer >= 1 "
+    assert capsys.readouterr().err.strip() == ("error: params.yaml data.eval.math.limit: "
+                                               "must be an integer >= 1 "
                                                "or null, got -2")
     assert not (tmp_path / "data").exists()
 
@@ -93,7 +95,8 @@ def test_bad_dataset_entry_names_its_param_path_before_any_dataset_is_read(tmp_p
 def dvc(repo: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PARALLEL_R1_TRACKING": "off",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    return subprocess.run([sys.executable, "-m", "dvc", *args], cwd=repo, env=env, capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "dvc", *args], cwd=repo, env=env, capture_output=True,
+                          text=True)
 
 
 @pytest.mark.slow

@@ -155,7 +155,7 @@ def test_vllm_engine_turns_on_trl_vllm_so_trl_syncs_its_weights(tmp_path):
 @pytest.mark.parametrize("run, message", [
     ({"colour": "red"}, "rl_runs.test_run: unknown key 'colour'"),
     ({"dataset": "math"}, "rl_runs.test_run.dataset: 'math' has no entry in rl.datasets"),
-    ({"reward": "kindness"}, "reward 'kindness' is unknown"),
+    ({"reward": "kindness"}, "rl_runs.test_run.reward: unknown schedule 'kindness'"),
     ({"variant": "hidden"}, "variant: expected one of 'seen', 'unseen'"),
 ])
 def test_bad_run_entry_is_a_one_line_error(run, message):

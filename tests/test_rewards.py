@@ -231,7 +231,7 @@ def test_reward_config_rejects_bad_values_and_unknown_params():
         RewardConfig(window=10, tiered_steps=11)
     with pytest.raises(PipelineError, match="checker"):
         RewardConfig(checker="exact")
-    with pytest.raises(PipelineError, match="window must be int, got 'ten'"):
+    with pytest.raises(PipelineError, match="reward config.window: must be int, got 'ten'"):
         RewardConfig(window="ten")
     with pytest.raises(PipelineError, match="params.yaml:rl.reward.*'windw'"):
         RewardConfig.from_params({"windw": 10}, where="params.yaml:rl.reward")

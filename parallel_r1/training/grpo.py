@@ -44,7 +44,7 @@ from parallel_r1.errors import PipelineError
 from parallel_r1.io import atomic_path
 from parallel_r1.models import check_model_dir, load_model
 from parallel_r1.prompts import chat_messages, render_prompt
-from parallel_r1.rewards import RewardConfig, build_reward
+from parallel_r1.rewards import REWARDS, RewardConfig, build_reward
 from parallel_r1.training.checkpoints import check_scheduler, file_signature, resume_point, trainer_arguments
 from parallel_r1.training.memory import check_training_memory
 from parallel_r1.training.rollout import engine_for_trainer, make_rollout_func
@@ -156,7 +156,9 @@ class RLOptions:
         if snapshot_every is not None:
             values["snapshot_every"] = snapshot_every
         options = from_mapping(cls, values, f"params.yaml rl_runs.{run} (with rl, rl.datasets.{dataset})")
-        build_reward(options.reward)  # an unknown schedule fails here, before any model is loaded
+        if options.reward not in REWARDS:  # checked here, before any model is loaded
+            raise PipelineError(f"params.yaml rl_runs.{run}.reward: unknown schedule {options.reward!r} "
+                                f"(known: {', '.join(sorted(REWARDS))})")
         return options
 
     def __post_init__(self) -> None:
