@@ -88,9 +88,9 @@ def test_unknown_profile(workdir, capsys):
     from stages.prepare_data import main
 
     params = (workdir / "params.yaml").read_text()
-    (workdir / "params.yaml").write_text(params.replace("profile: tiny ", "profile: huge ", 1))
+    (workdir / "params.yaml").write_text(params.replace("profile: small ", "profile: huge ", 1))
     line = run_stage(main, capsys)
-    assert line == "error: params.yaml profile: unknown profile 'huge' (choose from paper, tiny)"
+    assert line == "error: params.yaml profile: unknown profile 'huge' (choose from paper, small, tiny)"
 
 
 def test_unknown_generate_dataset(workdir, capsys):
