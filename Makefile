@@ -48,6 +48,7 @@ test-fast: setup
 bench: setup
 	$(BIN)/python benchmarks/structured_attention.py
 	$(BIN)/python benchmarks/rollout_throughput.py
+	$(BIN)/python benchmarks/kv_forking.py
 
 ui: setup
 	$(BIN)/python -m flows.ui

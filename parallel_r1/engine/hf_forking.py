@@ -57,8 +57,10 @@ Scheduling = Literal["continuous", "rounds"]
 class ForkingStats:
     """Where the backend's encoded columns came from (tests and benchmarks read it).
 
-    encoded: tokens run through a prefill forward (prompts, joins, a path's closing tag);
-    reused: cached columns a joining segment took over instead; decoded: one-token decode steps.
+    encoded: tokens no cached column could stand for, encoded in a prefill (prompts, the tags
+    the engine inserts, a path's closing tag, a Seen summary's later paths); reused: cached
+    columns segments took over instead; decoded: one-token decode steps. (Batching a join with
+    one that encodes more tokens re-encodes a few reused columns too; neither count has those.)
     """
 
     encoded: int = 0
@@ -346,8 +348,8 @@ class ForkingTransformersBackend(TransformersBackend):
                         keys[layer][row, :, offset:cached] = item.reused.keys[layer][:, :cached - offset]
                         values[layer][row, :, offset:cached] = item.reused.values[layer][:, :cached - offset]
         cache = cache_over(self.model.config, keys, values)
-        self.stats.encoded += int(valid[:, cached:].sum())
-        self.stats.reused += int(valid[:, :cached].sum())
+        self.stats.encoded += sum(item.new for item in items)
+        self.stats.reused += sum(len(item.reused) for item in items if item.reused is not None)
         structure = Structure(position_ids=positions, broken_blocks=0, open_blocks=0, valid=valid,
                               hidden_start=hidden_start, hidden_end=hidden_end)
         if bool((hidden_end[:, cached:] > hidden_start[:, cached:]).any()):

@@ -146,6 +146,8 @@ class DecodePool:
 
     def keep(self, indices: list[int]) -> None:
         """Drop every row not in `indices`, and the leading columns no remaining row uses."""
+        if indices == list(range(len(self.rows))):
+            return  # nobody left: no copy
         self.rows = [self.rows[i] for i in indices]
         if not indices:
             self.batch = self.cache = None

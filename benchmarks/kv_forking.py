@@ -1,0 +1,222 @@
+"""KV forking and continuous scheduling of the transformers engine: ratios measured in one run.
+
+Four comparisons on the tiny profile's random-init Qwen3 (real 152k vocabulary), same prompts
+and seeds on both sides of each ratio:
+  1. exact Unseen decoding, KV forking vs re-prefill (`kv_forking=False`: every segment re-encoded
+     with the structured mask), at --lengths response tokens;
+  2. parallel rollouts (4 blocks of 2 paths) vs plain rollouts of the same number of tokens, both
+     KV forking: what the fork loop costs over plain decoding;
+  3. one block's paths decoded side by side vs one after another (2 and 4 paths), from one
+     forked context;
+  4. continuous vs round-barrier scheduling on rollouts with mixed path lengths.
+A random model does not write tags, so a logits processor scripts where they go (`Script`) and
+bans the end-of-turn ids, so every rollout runs to its length; every other token is sampled.
+Forked and re-prefill rollouts are also checked token for token (same seeds).
+
+Prints one table per comparison and writes metrics/bench/kv_forking.json.
+
+    python benchmarks/kv_forking.py                        # the default sizes (CPU: a few minutes)
+    python benchmarks/kv_forking.py --lengths 512 --rollouts 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from parallel_r1.engine import RolloutConfig, transformers_engine  # noqa: E402
+from parallel_r1.engine.base import KVSpan, SegmentRequest  # noqa: E402
+from parallel_r1.models import TinyModelConfig, build_tiny_model, load_tokenizer, qwen3_tokenizer_dir  # noqa: E402
+from parallel_r1.prompts import render_prompt  # noqa: E402
+from parallel_r1.structure import TagIds  # noqa: E402
+
+OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "metrics", "bench", "kv_forking.json")
+QUESTIONS = ["What is 2 + 3?", "A farmer has 12 cows and buys 7 more. How many cows does he have?",
+             "Tom reads 15 pages a day. How many pages does he read in a week?",
+             "A shirt costs $20 and is 25% off. What does it cost?"]
+
+
+class Script:
+    """Places the tags: `<Parallel>` after `main` tokens of main text, `</Path>` after a path's
+    length, `</Summary>` after `summary` tokens; bans `banned` (the end-of-turn ids) always.
+
+    A path's length is `path`, or with `mixed` 8 + (its first token mod `path`), so paths of one
+    block end at different steps. Reads only the last `window` tokens of each row (cheap)."""
+
+    def __init__(self, tokenizer, tags: TagIds, banned, main: int, path: int, summary: int, mixed=False):
+        self.tags, self.main, self.path, self.summary, self.mixed = tags, main, path, summary, mixed
+        self.start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+        self.special = torch.tensor([tags.parallel_open, tags.parallel_close, tags.path_open, tags.path_close,
+                                     tags.summary_open, tags.summary_close, self.start])
+        self.banned = sorted(banned)
+        self.window = max(main, path, summary) + 16
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.clone()
+        scores[:, self.special] = float("-inf")
+        scores[:, self.banned] = float("-inf")
+        tail = input_ids[:, -self.window:]
+        marked = torch.isin(tail, self.special)
+        last = tail.shape[1] - 1 - marked.flip(1).long().argmax(1)
+        for row in range(tail.shape[0]):
+            if not bool(marked[row].any()):
+                continue
+            mark, since = int(tail[row, last[row]]), int(tail.shape[1] - 1 - last[row])
+            wanted = self._wanted(mark, since, tail[row, last[row] + 1:])
+            if wanted is not None:
+                scores[row, wanted] = scores[row].max() + 100.0
+        return scores
+
+    def _wanted(self, mark: int, since: int, after: torch.Tensor) -> int | None:
+        tags = self.tags
+        if mark == tags.path_open and since >= 1:
+            length = 8 + int(after[0]) % self.path if self.mixed else self.path
+            return tags.path_close if since >= length else None
+        if mark == tags.summary_open and since >= self.summary:
+            return tags.summary_close
+        if mark == self.start and since >= self.main + 2:  # after "<|im_start|>assistant\n"
+            return tags.parallel_open
+        if mark == tags.summary_close and since >= self.main:
+            return tags.parallel_open
+        return None
+
+
+def setup():
+    tokenizer = load_tokenizer(qwen3_tokenizer_dir())
+    model = build_tiny_model(tokenizer, TinyModelConfig()).eval()
+    prompts = [tokenizer(render_prompt(tokenizer, q), add_special_tokens=False)["input_ids"] for q in QUESTIONS]
+    return (model, tokenizer, TagIds.from_tokenizer(tokenizer)), prompts
+
+
+def timed_rollouts(model, tokenizer, tags, prompts, length: int, kv_forking=True, parallel=True, mixed=False,
+                   backend=None, paths=2, generations=1):
+    """Rollouts of `length` tokens (4 blocks when parallel); seconds, tokens, the rollouts."""
+    config = RolloutConfig(parallel=parallel, num_paths=paths, max_blocks=4, max_tokens=length, temperature=1.0,
+                           structured=True, seed=1)
+    engine = transformers_engine(model, tokenizer, config, kv_forking=kv_forking, **(backend or {}))
+    segment = max(8, length // 16)
+    engine.backend.logits_processor = Script(tokenizer, tags, engine.eos_ids, main=segment, path=segment,
+                                             summary=max(4, segment // 2), mixed=mixed)
+    started = time.perf_counter()
+    rollouts = engine.generate(prompts, generations)
+    seconds = time.perf_counter() - started
+    return seconds, sum(len(r.completion_ids) for r in rollouts), rollouts
+
+
+def same_tokens(a, b) -> bool:
+    return all(x.completion_ids == y.completion_ids for x, y in zip(a, b, strict=True))
+
+
+def forking_vs_reprefill(setup_, args) -> list[dict]:
+    rows = []
+    for length in args.lengths:
+        prefill_s, tokens, reference = timed_rollouts(*setup_, args.prompts_list, length, kv_forking=False)
+        forked_s, _, forked = timed_rollouts(*setup_, args.prompts_list, length)
+        rows.append(dict(length=length, tokens=tokens, blocks=sum(r.num_blocks for r in forked),
+                         reprefill_s=prefill_s, forked_s=forked_s, speedup=prefill_s / forked_s,
+                         same_tokens=same_tokens(forked, reference)))
+    return rows
+
+
+def parallel_vs_plain(setup_, args) -> dict:
+    length = args.plain_length
+    parallel_s, tokens, rollouts = timed_rollouts(*setup_, args.prompts_list, length)
+    plain_s, plain_tokens, _ = timed_rollouts(*setup_, args.prompts_list, length, parallel=False)
+    return dict(length=length, parallel_tokens=tokens, plain_tokens=plain_tokens,
+                blocks=sum(r.num_blocks for r in rollouts), parallel_s=parallel_s, plain_s=plain_s,
+                parallel_tok_s=tokens / parallel_s, plain_tok_s=plain_tokens / plain_s,
+                overhead=(plain_tokens / plain_s) / (tokens / parallel_s) - 1.0)
+
+
+def side_by_side(setup_, args) -> list[dict]:
+    model, tokenizer, tags = setup_
+    prompts = args.prompts_list
+    rows = []
+    for paths in (2, 4):
+        engine = transformers_engine(model, tokenizer, RolloutConfig(), max_batch_size=paths)
+        backend = engine.backend
+        context = tuple(prompts[0])
+        run(backend, [SegmentRequest(context, 1, frozenset(), kv_key="ctx")])
+        requests = [SegmentRequest(context + (tags.parallel_open, tags.path_open), args.path_tokens, frozenset(),
+                                   seed=seed, kv_spans=(KVSpan("ctx", 0, len(context)),)) for seed in range(paths)]
+        started = time.perf_counter()
+        together = run(backend, requests)
+        together_s = time.perf_counter() - started
+        started = time.perf_counter()
+        alone = [run(backend, [request])[0] for request in requests]
+        alone_s = time.perf_counter() - started
+        rows.append(dict(paths=paths, path_tokens=args.path_tokens, side_by_side_s=together_s,
+                         one_after_another_s=alone_s, speedup=alone_s / together_s,
+                         same_tokens=[r.token_ids for r in together] == [r.token_ids for r in alone]))
+    return rows
+
+
+def run(backend, requests):
+    tickets = [backend.submit(request) for request in requests]
+    done = {}
+    while len(done) < len(tickets):
+        done.update(backend.step())
+    return [done[ticket] for ticket in tickets]
+
+
+def continuous_vs_rounds(setup_, args) -> dict:
+    length = args.mixed_length
+    options = dict(mixed=True, paths=3, generations=2)
+    rounds_s, tokens, rounds = timed_rollouts(*setup_, args.prompts_list, length, backend=dict(scheduling="rounds"),
+                                              **options)
+    continuous_s, _, continuous = timed_rollouts(*setup_, args.prompts_list, length, **options)
+    return dict(length=length, rollouts=len(rounds), tokens=tokens, rounds_s=rounds_s, continuous_s=continuous_s,
+                speedup=rounds_s / continuous_s, same_tokens=same_tokens(continuous, rounds))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 3000])
+    parser.add_argument("--rollouts", type=int, default=2, help="prompts (one rollout each) for 1, 2 and 4")
+    parser.add_argument("--plain-length", type=int, default=1024)
+    parser.add_argument("--mixed-length", type=int, default=1024)
+    parser.add_argument("--path-tokens", type=int, default=128)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    setup_, prompts = setup()
+    args.prompts_list = prompts[:args.rollouts]
+    timed_rollouts(*setup_, args.prompts_list[:1], 64)  # warm-up
+    timed_rollouts(*setup_, args.prompts_list[:1], 64, kv_forking=False)
+    results = dict(model=f"tiny Qwen3 {TinyModelConfig()}", device=str(setup_[0].device),
+                   threads=torch.get_num_threads(), rollouts=args.rollouts)
+    results["forking_vs_reprefill"] = forking_vs_reprefill(setup_, args)
+    print(f"1. exact Unseen, KV forking vs re-prefill ({args.rollouts} rollouts, 4 blocks x 2 paths)")
+    print(f"{'tokens':>8}{'blocks':>8}{'re-prefill s':>14}{'forked s':>10}{'speed-up':>10}{'same tokens':>13}")
+    for r in results["forking_vs_reprefill"]:
+        print(f"{r['length']:>8}{r['blocks']:>8}{r['reprefill_s']:>14.2f}{r['forked_s']:>10.2f}"
+              f"{r['speedup']:>9.2f}x{str(r['same_tokens']):>13}")
+    r = results["parallel_vs_plain"] = parallel_vs_plain(setup_, args)
+    print(f"\n2. parallel (4 blocks x 2 paths) vs plain rollouts, {r['length']} tokens each, KV forking")
+    print(f"parallel {r['parallel_tok_s']:.1f} tok/s, plain {r['plain_tok_s']:.1f} tok/s: "
+          f"fork loop overhead {100 * r['overhead']:+.1f}% ({r['blocks']} blocks)")
+    results["side_by_side"] = side_by_side(setup_, args)
+    print(f"\n3. one block's paths ({args.path_tokens} tokens each) side by side vs one after another")
+    print(f"{'paths':>6}{'together s':>12}{'one by one s':>14}{'speed-up':>10}{'same tokens':>13}")
+    for r in results["side_by_side"]:
+        print(f"{r['paths']:>6}{r['side_by_side_s']:>12.2f}{r['one_after_another_s']:>14.2f}{r['speedup']:>9.2f}x"
+              f"{str(r['same_tokens']):>13}")
+    r = results["continuous_vs_rounds"] = continuous_vs_rounds(setup_, args)
+    print(f"\n4. continuous vs round-barrier scheduling, {r['rollouts']} rollouts x {r['length']} tokens, "
+          f"3 paths of mixed lengths")
+    print(f"rounds {r['rounds_s']:.2f} s, continuous {r['continuous_s']:.2f} s: {r['speedup']:.2f}x, "
+          f"same tokens {r['same_tokens']}")
+    os.makedirs(os.path.dirname(OUT), exist_ok=True)
+    with open(OUT, "w", encoding="utf-8") as handle:
+        json.dump(results, handle, indent=2)
+    print(f"\nwrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()
