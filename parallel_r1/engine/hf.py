@@ -1,5 +1,9 @@
 """Transformers backend: batched sampling over a `PreTrainedModel`, with exact structured attention.
 
+This class re-encodes every request from scratch (one blocking `continue_batch` per round): the
+reference that `ForkingTransformersBackend` (hf_forking.py, the default of `transformers_engine`:
+KV forking and continuous batching) is tested against, and the backend for `kv_forking=False`.
+
 Used where vLLM is absent, inside GRPO on CPU (it decodes with the live policy, no weight
 copy), and as the exact Unseen engine: each request's prefill runs with the path-window mask
 and multiverse positions from `parallel_r1.structure` (plain causal for Seen), so a summary
