@@ -37,7 +37,7 @@ $(VENV)/.installed: pyproject.toml requirements/cpu.lock requirements/models.txt
 	touch $@
 
 run: setup
-	$(BIN)/dvc repro
+	$(BIN)/python -m flows.make_run
 
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -6,28 +6,32 @@
 State stays in the project: Prefect in .prefect/ (PREFECT_HOME), MLflow runs in mlflow.db and
 artifacts in mlartifacts/; server logs go to .prefect/logs/. Each child runs in its own process
 group, so stopping (Ctrl-C, SIGTERM) terminates every process a server forked, then waits.
-Without these servers everything still works: Prefect starts an ephemeral API per flow run and
-MLflow writes to mlflow.db directly.
+It prints both addresses and a link to the RL runs in MLflow (filter `tags.stage = 'rl'`; group
+them by tag `reward_schedule` to compare schedules). Without these servers everything still
+works: Prefect starts an ephemeral API per flow run and MLflow writes to mlflow.db directly.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from parallel_r1 import tracking
+from parallel_r1 import mlflow_ui, tracking
 from parallel_r1.errors import PipelineError
+from stages.common import load_params
 
 HOST = "127.0.0.1"
-PREFECT_PORT_ENV, MLFLOW_PORT_ENV = "PARALLEL_R1_PREFECT_PORT", "PARALLEL_R1_MLFLOW_PORT"
-DEFAULT_PREFECT_PORT, DEFAULT_MLFLOW_PORT = 4200, 5000
+PREFECT_PORT_ENV, MLFLOW_PORT_ENV = "PARALLEL_R1_PREFECT_PORT", mlflow_ui.PORT_ENV
+DEFAULT_PREFECT_PORT, DEFAULT_MLFLOW_PORT = 4200, mlflow_ui.DEFAULT_PORT
 START_TIMEOUT_S = 120.0
 
 
@@ -44,6 +48,14 @@ class Service:
 def prefect_server_command(port: int) -> list[str]:
     return [sys.executable, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(port),
             "--analytics-off"]
+
+
+def prefect_server_env(root: Path, port: int) -> dict[str, str]:
+    """The Prefect server's env. Its UI asks `/ui-settings` where the API is; Prefect answers
+    PREFECT_UI_API_URL, else PREFECT_API_URL, else PREFECT_SERVER_API_PORT (default 4200) —
+    never the `--port` it serves on — so the first and the last are set to `port` here."""
+    return dict(server_env(root), PREFECT_SERVER_API_HOST=HOST, PREFECT_SERVER_API_PORT=str(port),
+                PREFECT_UI_API_URL=f"http://{HOST}:{port}/api")
 
 
 def mlflow_server_env(root: Path) -> dict[str, str]:
@@ -134,6 +146,34 @@ def close_orphaned_runs() -> None:
         print(f"MLflow: {len(closed)} run(s) left RUNNING by a killed process marked KILLED", flush=True)
 
 
+def ui_addresses(root: Path, prefect_port: int, mlflow_port: int) -> str:
+    """What `make ui` prints: both UIs and, once the experiment exists, its RL runs' table."""
+    mlflow = f"http://{HOST}:{mlflow_port}"
+    lines = [f"Prefect UI: http://{HOST}:{prefect_port}", f"MLflow UI:  {mlflow}"]
+    try:
+        experiment = tracking.experiment_name(load_params(root / "params.yaml"))
+    except PipelineError:
+        experiment = tracking.experiment_name()
+    experiment_id = mlflow_experiment_id(mlflow, experiment)
+    if experiment_id is None:
+        lines.append(f"RL runs:    none yet in MLflow experiment {experiment!r}")
+    else:
+        lines.append(f"RL runs:    {mlflow_ui.runs_url(mlflow, experiment_id, mlflow_ui.RL_RUNS_FILTER)}"
+                     "\n            (Group by -> reward_schedule puts the schedules side by side)")
+    return "\n".join(lines)
+
+
+def mlflow_experiment_id(server: str, name: str) -> str | None:
+    """The id of experiment `name` on the MLflow server, None when there is none."""
+    query = urllib.parse.urlencode({"experiment_name": name})
+    url = f"{server}/api/2.0/mlflow/experiments/get-by-name?{query}"
+    try:
+        with urllib.request.urlopen(url, timeout=10) as answer:
+            return json.load(answer)["experiment"]["experiment_id"]
+    except OSError:  # 404: no such experiment
+        return None
+
+
 def main() -> None:
     root = Path.cwd()
     prefect_port = int(os.environ.get(PREFECT_PORT_ENV, DEFAULT_PREFECT_PORT))
@@ -151,7 +191,8 @@ def main() -> None:
     interrupted = False
     try:
         launched = time.monotonic()
-        services.append(start("Prefect server", prefect_server_command(prefect_port), server_env(root), root,
+        services.append(start("Prefect server", prefect_server_command(prefect_port),
+                              prefect_server_env(root, prefect_port), root,
                               f"http://{HOST}:{prefect_port}/api/health", logs / "prefect-server.log"))
         services.append(start("MLflow server", mlflow_server_command(mlflow_port, root), mlflow_server_env(root),
                               root, f"http://{HOST}:{mlflow_port}/health", logs / "mlflow-server.log"))
@@ -160,7 +201,7 @@ def main() -> None:
             print(f"{service.name} healthy {time.monotonic() - launched:.1f} s after launch", flush=True)
         services.append(start("deployments", [sys.executable, "-m", "flows.serve"],
                               server_env(root, prefect_port, mlflow_port), root))
-        print(f"Prefect UI: http://{HOST}:{prefect_port}\nMLflow UI:  http://{HOST}:{mlflow_port}\n"
+        print(f"{ui_addresses(root, prefect_port, mlflow_port)}\n"
               f"server logs: {logs}   Ctrl-C stops everything", flush=True)
         while not (exited := [service for service in services if service.process.poll() is not None]):
             time.sleep(0.5)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from parallel_r1 import tracking
+from parallel_r1 import mlflow_ui, tracking
 from parallel_r1.errors import PipelineError
 from parallel_r1.io import atomic_path
 
@@ -37,12 +37,14 @@ RL_STAGE = "rl"
 
 @dataclass
 class RunCurves:
-    """One RL run: its schedule and, per curve name, (step, value) points sorted by step."""
+    """One RL run: its schedule, its page in the MLflow UI and, per curve name, (step, value)
+    points sorted by step."""
 
     run_id: str
     name: str
     schedule: str
     curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    url: str = ""
 
 
 def collect_curves(params: Mapping[str, Any] | None = None, stage: str = RL_STAGE) -> list[RunCurves]:
@@ -73,7 +75,8 @@ def collect_curves(params: Mapping[str, Any] | None = None, stage: str = RL_STAG
             latest.setdefault(label, run)
         for label, run in sorted(latest.items()):
             curves = {curve: _history(client, run.info.run_id, key) for curve, key in METRICS.items()}
-            runs.append(RunCurves(run.info.run_id, label, schedule, curves))
+            url = mlflow_ui.run_url(mlflow_ui.base_url(uri), found.experiment_id, run.info.run_id)
+            runs.append(RunCurves(run.info.run_id, label, schedule, curves, url))
     if not runs:
         raise PipelineError(f"MLflow {uri} experiment {name!r}: no finished {stage!r} runs tagged "
                             f"{tracking.TAG_REWARD_SCHEDULE} in {sorted(SCHEDULES)}")
@@ -93,7 +96,8 @@ def markdown(runs: list[RunCurves], source: str, plot_name: str = "reward_schedu
         steps = max((len(points) for points in run.curves.values()), default=0)
         last = [_fmt(points[-1][1] if points else None) for points in run.curves.values()]
         best = [_fmt(max((value for _, value in points), default=None)) for points in run.curves.values()]
-        lines.append("| " + " | ".join([SCHEDULES[run.schedule], run.name, str(steps), *last, *best]) + " |")
+        name = f"[{run.name}]({run.url})" if run.url else run.name
+        lines.append("| " + " | ".join([SCHEDULES[run.schedule], name, str(steps), *last, *best]) + " |")
     missing = [label for schedule, label in SCHEDULES.items() if not any(run.schedule == schedule for run in runs)]
     if missing:
         lines += ["", f"No finished runs yet for: {', '.join(missing)}."]
@@ -130,7 +134,9 @@ def build_report(markdown_path: str | os.PathLike, plot_path: str | os.PathLike,
     """Write the markdown table and the plot; returns the runs they show."""
     runs = collect_curves(params, stage)
     plot(runs, plot_path)
-    source = f"experiment `{tracking.experiment_name(params)}`"
+    source = (f"experiment `{tracking.experiment_name(params)}`; each run links to its page in the MLflow UI "
+              f"at {mlflow_ui.base_url(tracking.tracking_uri(params))} (`make ui`), where the filter "
+              f"`{mlflow_ui.RL_RUNS_FILTER}` grouped by tag `{tracking.TAG_REWARD_SCHEDULE}` shows them all")
     with atomic_path(markdown_path) as tmp:
         Path(tmp).write_text(markdown(runs, source, Path(plot_path).name), encoding="utf-8")
     return runs

@@ -31,6 +31,7 @@ from prefect.deployments import run_deployment
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.states import Failed
 
+from flows import ui
 from flows.dvc_runner import (DvcCommandError, TransientDvcError, error_from_output, experiment_metrics,
                               plan_stages)
 from flows.reproduce import reproduce, retry_only_transient, set_profile
@@ -234,6 +235,35 @@ def test_reproduce_runs_each_stage_as_a_completed_task_and_nests_stage_runs(toy,
     assert stage_run.data.params["x.y"] == "1" and stage_run.data.tags["dvc_stage"] == "tracked"
     again = reproduce(targets=["tracked"])
     assert again == {"a": "up to date", "b": "up to date", "tracked": "up to date"}
+
+
+@pytest.mark.parametrize("port, shell_api_url", [(4301, None), (4200, "http://127.0.0.1:4301/api")])
+def test_prefect_server_tells_its_ui_the_api_on_the_port_it_serves(port, shell_api_url, tmp_path, monkeypatch):
+    """The UI asks the server's /ui-settings where the API is; Prefect answers PREFECT_UI_API_URL."""
+    if shell_api_url:  # e.g. left in the user's shell by an earlier `make ui` on another port
+        monkeypatch.setenv("PREFECT_API_URL", shell_api_url)
+    else:
+        monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    code = "import prefect.settings as s; print(s.PREFECT_UI_API_URL.value())"
+    shown = subprocess.run([sys.executable, "-c", code], env=ui.prefect_server_env(tmp_path, port), check=True,
+                           capture_output=True, text=True).stdout.strip()
+    assert shown == f"http://127.0.0.1:{port}/api"
+
+
+@pytest.mark.slow
+def test_make_run_nests_the_stage_runs_of_one_dvc_repro_under_one_parent_run(toy, tmp_path):
+    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-m", "flows.make_run", "--force", "tracked"], cwd=toy, env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "Running stage 'tracked'" in done.stdout  # DVC's output streams through
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    experiment = client.get_experiment_by_name("toy").experiment_id
+    (parent,) = client.search_runs([experiment], filter_string="tags.flow = 'make-run'")
+    assert (parent.info.run_name, parent.info.status) == ("make-run@tracked", "FINISHED")
+    stage_runs = client.search_runs([experiment], filter_string="tags.stage = 'tracked'")
+    assert [run.data.tags["mlflow.parentRunId"] for run in stage_runs] == [parent.info.run_id]
 
 
 @pytest.mark.server

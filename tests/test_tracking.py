@@ -16,7 +16,7 @@ from mlflow import MlflowClient
 from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
 
 from flows import ui
-from parallel_r1 import tracking
+from parallel_r1 import mlflow_ui, tracking
 from parallel_r1.errors import PipelineError
 from parallel_r1.reward_schedule_report import METRICS, SCHEDULES, build_report
 
@@ -204,7 +204,8 @@ def test_model_reference_reads_an_upstream_stage_hash_from_dvc_lock(local_store,
     assert tracking.log_model_reference(tmp_path / "models" / "base")["model.base.md5_source"] == "computed"
 
 
-def test_reward_schedule_report_compares_schedules_over_steps(local_store, tmp_path):
+def test_reward_schedule_report_compares_schedules_over_steps(local_store, tmp_path, monkeypatch):
+    monkeypatch.delenv(mlflow_ui.PORT_ENV, raising=False)
     curves = [("accuracy", [0.9]), ("accuracy", [0.2, 0.3, 0.5]), ("alternating", [0.1, 0.4, 0.6])]
     for schedule, accuracy in curves:  # the first accuracy run is replaced by its rerun
         with tracking.stage_run("rl", f"run_{schedule}", PARAMS, {tracking.TAG_REWARD_SCHEDULE: schedule}):
@@ -219,7 +220,12 @@ def test_reward_schedule_report_compares_schedules_over_steps(local_store, tmp_p
         ("accuracy", [(1, 0.2), (2, 0.3), (3, 0.5)]), ("alternating", [(1, 0.1), (2, 0.4), (3, 0.6)])]
     text = (tmp_path / "reports" / "reward_schedules.md").read_text()
     row = next(line for line in text.splitlines() if "rl@run_alternating" in line)
-    assert row.split(" | ")[:4] == ["| " + SCHEDULES["alternating"], "rl@run_alternating", "3", "1.200"]
+    alternating = runs[1]
+    experiment = MlflowClient(local_store).get_experiment_by_name(tracking.experiment_name()).experiment_id
+    assert alternating.url == (f"http://127.0.0.1:5000/#/experiments/{experiment}/runs/{alternating.run_id}"
+                               "?workflowType=machine_learning")  # the page on `make ui`'s MLflow server
+    assert row.split(" | ")[:4] == ["| " + SCHEDULES["alternating"], f"[rl@run_alternating]({alternating.url})", "3",
+                                    "1.200"]
     assert "No finished runs yet for: parallel-only, scaffold" in text
     assert (tmp_path / "reports" / "reward_schedules.png").read_bytes()[:4] == b"\x89PNG"
 
