@@ -74,6 +74,7 @@ class ReportOptions:
     table1_datasets: datasets of Table 1 (`metrics/filter/<dataset>.json`).
     table2_rows / ablation_*_rows: paper row key -> model name (`metrics/eval/<model>/`).
     figure3_runs: RL runs plotted in Figure 3 (`metrics/rl/<run>/steps.json`).
+    reward_schedule_runs: RL runs compared in reports/reward_schedules.md (`metrics/rl/<run>/`).
     """
 
     table1_datasets: list[str] = field(default_factory=lambda: ["gsm8k", "dapo"])
@@ -92,6 +93,8 @@ class ReportOptions:
         "alternating": "parallel_r1_unseen_s2"})
     figure3_runs: list[str] = field(default_factory=lambda: ["parallel_r1_seen", "parallel_r1_unseen_s1",
                                                              "parallel_r1_unseen_s2"])
+    reward_schedule_runs: list[str] = field(default_factory=lambda: [
+        "parallel_r1_unseen_s1", "parallel_r1_unseen_parallel_only", "parallel_r1_unseen_s2", "scaffold"])
 
 
 @functools.cache

@@ -1,10 +1,11 @@
-"""Reward schedules side by side: reports/reward_schedules.md and .png from the RL runs in MLflow.
+"""Reward schedules side by side: reports/reward_schedules.md and .png, the schedules the paper
+compares (§4.3-4.5): accuracy-only, parallel-only, alternating (S2) and scaffold.
 
-The RL stage logs, per optimizer step, the mean reward, the accuracy and the share of responses
-with a parallel block into its MLflow run, tagged `reward_schedule` (see `tracking.stage_run`).
-This report reads those step histories back and compares the schedules the paper compares
-(§4.3-4.5): accuracy-only, parallel-only, alternating (S2) and scaffold. Every finished run of
-the RL stage with one of these tags is shown (several seeds give several lines).
+The DVC stage builds it from the RL runs' own files (`runs_from_metrics`: metrics/rl/<run>/steps.json
+and summary.json, declared deps), so it is rebuilt exactly when a run changes and needs no
+tracking server. `collect_curves` reads the same step histories from the MLflow runs instead
+(every finished RL run tagged with a schedule, several seeds giving several lines), for comparing
+sweeps that DVC does not track; a run read from MLflow links to its page in the UI.
 """
 
 from __future__ import annotations
@@ -83,12 +84,33 @@ def collect_curves(params: Mapping[str, Any] | None = None, stage: str = RL_STAG
     return runs
 
 
+RunMetrics = tuple[Mapping[str, Any], list[Mapping[str, Any]]]   # a run's (summary.json, steps.json)
+
+
+def runs_from_metrics(metrics: Mapping[str, RunMetrics]) -> list[RunCurves]:
+    """RunCurves from each run's (summary.json, steps.json): the schedule is the summary's `reward`.
+
+    Runs on a schedule this report does not compare are an error naming the run, not a silent gap.
+    """
+    runs = []
+    for name, (summary, steps) in metrics.items():
+        schedule = summary.get("reward")
+        if schedule not in SCHEDULES:
+            raise PipelineError(f"metrics/rl/{name}/summary.json: reward {schedule!r} is not a compared "
+                                f"schedule ({', '.join(SCHEDULES)})")
+        curves = {curve: [(int(row["step"]), float(row[curve])) for row in steps
+                          if row.get(curve) is not None] for curve in METRICS}
+        runs.append(RunCurves(run_id=name, name=f"rl@{name}", schedule=schedule, curves=curves))
+    runs.sort(key=lambda run: (list(SCHEDULES).index(run.schedule), run.name))
+    return runs
+
+
 def markdown(runs: list[RunCurves], source: str, plot_name: str = "reward_schedules.png") -> str:
     """A table: one row per run with its last and best value of each curve."""
     header = ["schedule", "run", "steps", *(f"last {curve}" for curve in METRICS),
               *(f"best {curve}" for curve in METRICS)]
     lines = ["# Reward schedules", "",
-             f"RL runs from MLflow ({source}), compared over optimizer steps; "
+             f"RL runs from {source}, compared over steps (rollout batches); "
              f"curves in `{plot_name}`. Metric keys: "
              + ", ".join(f"{curve} = `{key}`" for curve, key in METRICS.items()) + ".", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -127,6 +149,14 @@ def plot(runs: list[RunCurves], path: str | os.PathLike) -> None:
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=120)
     plt.close(fig)
+
+
+def write_report(runs: list[RunCurves], markdown_path: str | os.PathLike, plot_path: str | os.PathLike,
+                 source: str) -> None:
+    """The markdown table and the plot of `runs`; `source` says where their curves came from."""
+    plot(runs, plot_path)
+    with atomic_path(markdown_path) as tmp:
+        Path(tmp).write_text(markdown(runs, source, Path(plot_path).name), encoding="utf-8")
 
 
 def build_report(markdown_path: str | os.PathLike, plot_path: str | os.PathLike,

@@ -173,7 +173,7 @@ _FIELD_KINDS = {"str": str, "int": int, "float": (int, float)}
 
 @dataclass(frozen=True)
 class RewardConfig:
-    """Knobs of every reward and schedule (params.yaml `rl.reward`).
+    """Knobs of every reward and schedule (the stage reads SHARED_KNOBS and the schedule's SCHEDULE_KNOBS).
 
     Answer checking:
         checker: "paper" (the authors' extraction rules) or "math_verify".
@@ -217,7 +217,7 @@ class RewardConfig:
 
 
 def _check_reward_values(values: Mapping[str, Any], where: str) -> None:
-    """RewardConfig's checks on plain values, so each message carries the param path (`rewards.window`)."""
+    """RewardConfig's checks on plain values, so each message carries the param path (`<where>.window`)."""
     for spec in dataclasses.fields(RewardConfig):
         value, kinds = values[spec.name], _FIELD_KINDS[spec.type]
         if isinstance(value, bool) or not isinstance(value, kinds):
@@ -253,6 +253,20 @@ REWARDS: dict[str, Schedule] = {
     "scaffold": _scaffold,  # section 4.5
 }
 _STEP_FREE = set(REWARD_TYPES)
+
+# Which RewardConfig fields a schedule reads. Every schedule reads SHARED_KNOBS; SCHEDULE_KNOBS[name] are
+# read only by schedule `name`, so the stage takes them from its own entry (params.yaml
+# `reward_schedules.<name>`) and DVC retrains only the runs on a schedule whose knobs changed.
+SHARED_KNOBS = ("checker", "correct_reward", "incorrect_reward")
+_TIERED_KNOBS = ("tiered_parallel_reward", "tiered_correct_reward")
+SCHEDULE_KNOBS: dict[str, tuple[str, ...]] = {
+    ACCURACY: (),
+    PARALLEL_TIMES_ACCURACY: (),
+    TIERED: _TIERED_KNOBS,
+    PARALLEL_ONLY: (),
+    "alternating": (*_TIERED_KNOBS, "window", "tiered_steps"),
+    "scaffold": (*_TIERED_KNOBS, "window", "tiered_steps", "switch_step"),
+}
 
 
 def _schedule(name: str) -> Schedule:

@@ -23,28 +23,33 @@ from parallel_r1 import tracking
 from parallel_r1.engine import RolloutConfig, make_engine
 from parallel_r1.errors import PipelineError
 from parallel_r1.evaluation import generate_benchmark_samples, sample_to_row, summarize
-from parallel_r1.io import read_jsonl, write_json, write_jsonl
+from parallel_r1.io import read_json, read_jsonl, write_json, write_jsonl
 from parallel_r1.models import check_model_dir, load_tokenizer
 from stages.common import load_params, section, stage_main
 
 PROBLEM_FIELDS = ("id", "question", "ground_truth", "answer_kind")
 
 
-def rollout_mode(model: str, params: dict) -> tuple[str, bool, bool]:
-    """(prompt style, structured attention, parallel forking) the model was trained with."""
-    runs = params.get("rl_runs", {})
-    if model in runs:
-        run = runs[model]
-        return run.get("prompt", "parallel"), run.get("variant") == "unseen", bool(run.get("parallel", True))
+def rollout_mode(model: str) -> tuple[str, bool, bool]:
+    """(prompt style, structured attention, parallel forking) the model was trained with.
+
+    An RL model carries it in models/<run>/rollout.json (written by rl@<run>), so the evaluation
+    depends on the model folder only, not on params.yaml rl_runs; base and SFT models are fixed.
+    """
     if model in ("base", "sft_seen", "sft_unseen"):
         return "parallel", model == "sft_unseen", True
-    raise PipelineError(f"evaluate: unknown model {model!r} (base, sft_seen, sft_unseen or a key of rl_runs)")
+    record = Path("models") / model / "rollout.json"
+    if not record.is_file():
+        check_model_dir(record.parent)  # a missing folder says so first
+        raise PipelineError(f"{record}: not found (models/{model} is neither base, sft_* nor written by rl@{model})")
+    mode = read_json(record)
+    return mode["prompt"], mode["variant"] == "unseen", bool(mode["parallel"])
 
 
 def evaluate_folder(model: str, folder: Path, benchmarks: dict[str, int], params: dict) -> dict[str, tuple]:
     """{benchmark: (metrics, sample rows)} for the checkpoint in `folder`."""
     settings = section(params, "evaluate")
-    prompt, structured, parallel = rollout_mode(model, params)
+    prompt, structured, parallel = rollout_mode(model)
     problems = {name: read_jsonl(f"data/eval/{name}.jsonl", required=PROBLEM_FIELDS) for name in benchmarks}
     check_model_dir(folder)
     tokenizer = load_tokenizer(folder)
@@ -92,8 +97,8 @@ def tracked_metrics(benchmark: str, metrics: dict) -> dict[str, float]:
 
 def model_tags(model: str, params: dict) -> dict[str, str | None]:
     """Variant and reward schedule of the model, so MLflow can group evaluations like RL runs."""
-    run = params.get("rl_runs", {}).get(model, {})
-    prompt, structured, parallel = rollout_mode(model, params)
+    run = params.get("rl_runs", {}).get(model, {})   # a tag only: MLflow grouping, not an output
+    prompt, structured, parallel = rollout_mode(model)
     return {tracking.TAG_VARIANT: "unseen" if structured else "seen", tracking.TAG_REWARD_SCHEDULE: run.get("reward"),
             "prompt": prompt, "parallel_rollout": str(parallel).lower()}
 
@@ -110,7 +115,7 @@ def evaluate_model(model: str, params: dict) -> None:
 
 def evaluate_curve(run: str, params: dict) -> None:
     """Figure 4: one benchmark over the run's step snapshots (models/<run>/steps/step-<n>)."""
-    curve = section(params, "evaluate", "scaffold_curve")
+    curve = section(params, "scaffold_curve")
     benchmark = curve.get("benchmark", "aime25")
     k = benchmark_ks(params)[benchmark]
     snapshots = sorted((Path("models") / run / "steps").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
@@ -124,8 +129,9 @@ def evaluate_curve(run: str, params: dict) -> None:
             points.append({"step": step, "mean_at_k": metrics["mean_at_k"],
                            "pass_at_k": metrics["pass_at_k"], "parallel_ratio": metrics["parallel_ratio"]})
             tracking.log_metrics(tracked_metrics(benchmark, metrics), step=step)
+    switch_step = section(params, "reward_schedules", "scaffold", "switch_step")
     write_json(f"metrics/curves/{run}.json", {"benchmark": benchmark, "k": k, "profile": params["profile"],
-                                              "switch_step": section(params, "rewards", "switch_step"),
+                                              "switch_step": switch_step,
                                               "points": points})
 
 

@@ -1,8 +1,8 @@
 """Build one of the paper's tables or figures from the metric files, the paper's numbers beside ours.
 
-    dvc repro reports/table2.md            # or any report below, by its output path
-    python -m stages.reports table2        # direct: table1 | table2 | ablation_training |
-                                           # ablation_prompt | ablation_reward | figure3 | figure4
+    dvc repro table2                       # or any report below, by its stage name
+    python -m stages.reports table2        # direct: table1 | table2 | ablation_training | ablation_prompt |
+                                           # ablation_reward | figure3 | figure4 | reward_schedules | rl_runs
 
 Each report reads only its own inputs, so DVC gives each its own deps:
 
@@ -13,11 +13,12 @@ Each report reads only its own inputs, so DVC gives each its own deps:
     ablation_reward    (same)                                   -> reports/ablation_reward.md
     figure3            metrics/rl/<run>/steps.json              -> reports/figure3_parallel_position.png
     figure4            metrics/curves/scaffold.json             -> reports/figure4_scaffold.png
-    reward_schedules   the RL runs in MLflow                    -> reports/reward_schedules.md + .png
+    reward_schedules   metrics/rl/<run>/summary.json, steps.json -> reports/reward_schedules.md + .png
     rl_runs            metrics/rl/<run>/summary.json, steps.json -> reports/rl_runs.md
 
 Each build is an MLflow run named like its DVC stage, with the report (and its plot) as
-artifacts. Benchmarks are aime25, aime24, amc23 and math. params.yaml keys read: `profile`, and the
+artifacts. Benchmarks are aime25, aime24, amc23 and math (and GSM8K test where evaluated). params.yaml
+keys read: `profile`, and the
 optional section `reports` (defaults in `parallel_r1.reports.ReportOptions`):
 
     reports:
@@ -28,6 +29,8 @@ optional section `reports` (defaults in `parallel_r1.reports.ReportOptions`):
       ablation_reward_rows: {accuracy_only: parallel_r1_unseen_s1, parallel_only: parallel_r1_unseen_parallel_only,
                              alternating: parallel_r1_unseen_s2}
       figure3_runs: [parallel_r1_seen, parallel_r1_unseen_s1, parallel_r1_unseen_s2]
+      reward_schedule_runs: [parallel_r1_unseen_s1, parallel_r1_unseen_parallel_only, parallel_r1_unseen_s2,
+                             scaffold]
 """
 
 from __future__ import annotations
@@ -100,9 +103,13 @@ def build(report: str, params: dict) -> Path:
     elif report == "figure4":
         reports.figure4_scaffold(read_json(METRICS / "curves" / "scaffold.json"), out, profile=profile)
     else:
-        from parallel_r1.reward_schedule_report import build_report
+        from parallel_r1 import reward_schedule_report as schedules
 
-        build_report(out, out.with_suffix(".png"), params=params)
+        folders = {run: METRICS / "rl" / run for run in options.reward_schedule_runs}
+        runs = {run: (read_json(folder / "summary.json"), read_json(folder / "steps.json"))
+                for run, folder in folders.items()}
+        schedules.write_report(schedules.runs_from_metrics(runs), out, out.with_suffix(".png"),
+                               source="metrics/rl/<run>/steps.json")
     return out
 
 

@@ -8,7 +8,8 @@ A run starts from models/<init> and trains on data/rl/<dataset>.jsonl with its r
 (accuracy, R_parallel x R_acc, alternating S2, scaffold, parallel-only), Seen (causal) or Unseen
 (structured log-probs), with the Parallel Thinking or the Baseline prompt, forking rollouts at
 `<Parallel>` or not (the GRPO baselines). Writes models/<run> (safetensors + tokenizer; the scaffold
-run also models/<run>/steps/step-<n>/ every evaluate.scaffold_curve.every steps, for Figure 4),
+run also models/<run>/steps/step-<n>/ every scaffold_curve.every steps, for Figure 4; and
+models/<run>/rollout.json: the prompt, variant and forking evaluate@<run> generates with),
 metrics/rl/<run>/steps.json (per step: reward, accuracy, parallel ratio, <Parallel> position,
 response length, blocks per response, path diversity, reward spread, reward type; a DVC plot) and metrics/rl/<run>/summary.json.
 Every step is also logged to the MLflow run `rl@<run>` (by the main process only: see tracking.enabled).
@@ -25,11 +26,35 @@ from parallel_r1 import tracking
 from parallel_r1.errors import PipelineError
 from parallel_r1.io import read_jsonl, write_json
 from parallel_r1.models import check_model_dir
-from parallel_r1.rewards import RewardConfig
+from parallel_r1.rewards import SCHEDULE_KNOBS, SHARED_KNOBS, RewardConfig
 from parallel_r1.training.grpo import RLOptions, RLResult, train_rl
 from stages.common import load_params, section, stage_main
 
 PROBLEM_FIELDS = ("id", "question", "ground_truth", "answer_kind")
+# How the model generates, saved with it: evaluate@<run> reads it from models/<run> (its declared dep)
+# instead of params.yaml rl_runs, so an evaluation depends on the model it evaluates and nothing more.
+ROLLOUT_RECORD = "rollout.json"
+
+
+def rl_options(params: dict, run: str) -> RLOptions:
+    """The run's options: `rl` (every run), `rl_datasets.<its dataset>` and its own `rl_runs` entry."""
+    rl = {**section(params, "rl"), "datasets": section(params, "rl_datasets")}
+    return RLOptions.from_sections(run, rl, section(params, "rl_runs", run), seed=int(params.get("seed", 0)),
+                                   snapshot_every=section(params, "scaffold_curve").get("every"))
+
+
+def reward_config(params: dict, schedule: str) -> RewardConfig:
+    """`rewards` (read by every schedule) + `reward_schedules.<schedule>` (read by that schedule only)."""
+    shared = section(params, "rewards")
+    knobs = section(params, "reward_schedules", schedule) or {}
+    for where, values, allowed in (("rewards", shared, SHARED_KNOBS),
+                                   (f"reward_schedules.{schedule}", knobs, SCHEDULE_KNOBS[schedule])):
+        unknown = sorted(set(values) - set(allowed))
+        if unknown:
+            raise PipelineError(f"params.yaml {where}: unknown key {unknown[0]!r} "
+                                f"(read here: {', '.join(allowed) or 'none'})")
+    RewardConfig.from_params(shared, "params.yaml rewards")
+    return RewardConfig.from_params({**shared, **knobs}, f"params.yaml reward_schedules.{schedule}")
 
 
 def summarize(run: str, options: RLOptions, result: RLResult, wall_seconds: float) -> dict:
@@ -68,9 +93,8 @@ def main(argv: list[str] | None = None) -> None:
     if len(args) != 1 or args[0] not in runs:
         raise PipelineError(f"usage: python -m stages.rl <run> (one of {', '.join(runs)})")
     run = args[0]
-    options = RLOptions.from_sections(run, section(params, "rl"), runs[run], seed=int(params.get("seed", 0)),
-                                      snapshot_every=section(params, "evaluate", "scaffold_curve").get("every"))
-    reward_config = RewardConfig.from_params(section(params, "rewards"), "params.yaml rewards")
+    options = rl_options(params, run)
+    rewards = reward_config(params, options.reward)
     init_dir = check_model_dir(f"models/{options.init}")
     data = f"data/rl/{options.dataset}.jsonl"
     rows = read_jsonl(data, required=PROBLEM_FIELDS)
@@ -79,11 +103,13 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     with tracking.stage_run("rl", run, params, tags=tags):
         result = train_rl(options, init_dir, rows, f"models/{run}", f"checkpoints/rl/{run}",
-                          reward_config=reward_config, dtype=str(section(params, "model").get("dtype", "float32")),
+                          reward_config=rewards, dtype=str(section(params, "model").get("dtype", "float32")),
                           report_to=tracking.report_to(), where=data)
         if not result.is_main_process:
             return
         summary = {"profile": params["profile"], **summarize(run, options, result, time.perf_counter() - started)}
+        write_json(f"{result.model_dir}/{ROLLOUT_RECORD}",
+                   {"prompt": options.prompt, "variant": options.variant, "parallel": options.parallel})
         write_json(f"metrics/rl/{run}/steps.json", result.history)
         write_json(f"metrics/rl/{run}/summary.json", summary)
         tracking.log_metrics({key: summary[key] for key in ("mean_step_seconds", "rollout_tokens_per_s",

@@ -1,11 +1,12 @@
 """Stage `sft@<variant>`: cold-start SFT on Parallel-GSM8K (PAPER.md stage 3), Seen or Unseen.
 
     dvc repro sft@seen                # or sft@unseen
-    python -m stages.sft seen         # the same, directly
+    python -m stages.sft seen --data data/sft/parallel_gsm8k.jsonl --base models/base   # the same, directly
     accelerate launch --config_file configs/<x>.yaml -m stages.sft unseen   # several GPUs / nodes
 
 Seen trains with causal attention, Unseen with the path-window mask and multiverse position ids
-(`parallel_r1.structure`). Reads models/base and data/sft/parallel_gsm8k.jsonl; writes
+(`parallel_r1.structure`). Reads the base model and the SFT set that dvc.yaml names on the command
+line (default: models/base and the filter's data/sft/parallel_<filter.sft_dataset>.jsonl); writes
 models/sft_<variant> (safetensors + tokenizer), metrics/sft/<variant>/loss.json (per update: step,
 loss, lr, grad_norm; a DVC plot) and metrics/sft/<variant>/summary.json (final loss, steps, examples,
 tokens, wall time, and the parallel-block rate of the SFT model's own greedy generations on held-out
@@ -15,8 +16,8 @@ GSM8K test questions, with examples). Checkpoints go to checkpoints/sft_<variant
 
 from __future__ import annotations
 
+import argparse
 import os
-import sys
 import time
 from contextlib import nullcontext
 
@@ -27,8 +28,6 @@ from parallel_r1.io import read_jsonl, write_json
 from parallel_r1.training.sft import VARIANTS, SFTOptions, probe_parallel_blocks, train_sft
 from stages.common import load_params, section, stage_main
 
-BASE_MODEL = "models/base"
-SFT_DATA = "data/sft/parallel_gsm8k.jsonl"
 PROBE_SET = "gsm8k_test"  # held out: SFT trains on GSM8K train questions
 
 
@@ -39,20 +38,25 @@ def is_main_process() -> bool:
 
 @stage_main
 def main(argv: list[str] | None = None) -> None:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1 or args[0] not in VARIANTS:
-        raise PipelineError(f"usage: python -m stages.sft <variant> (one of {', '.join(VARIANTS)})")
-    variant = args[0]
+    parser = argparse.ArgumentParser(prog="python -m stages.sft", description=__doc__.splitlines()[0])
+    parser.add_argument("variant", choices=VARIANTS)
+    parser.add_argument("--data", help="the SFT set (default: data/sft/parallel_<filter.sft_dataset>.jsonl)")
+    parser.add_argument("--base", default="models/base", help="the model SFT starts from")
+    args = parser.parse_args(argv)
+    variant = args.variant
     params = load_params()
+    # dvc.yaml always passes --data; a direct run takes the set the filter writes (FilterConfig's default: gsm8k)
+    sft_dataset = (params.get("filter") or {}).get("sft_dataset", "gsm8k")
+    sft_data = args.data or f"data/sft/parallel_{sft_dataset}.jsonl"
     options = SFTOptions.from_params(section(params, "sft"), variant, seed=int(params.get("seed", 0)))
-    rows = read_jsonl(SFT_DATA, required=("question", "completion"), allow_empty=True)
+    rows = read_jsonl(sft_data, required=("question", "completion"), allow_empty=True)
     run = tracking.stage_run(stage="sft", config=variant, params=params, tags={"variant": variant}) \
         if is_main_process() else nullcontext()
     with run:
         started = time.perf_counter()
-        result = train_sft(options, BASE_MODEL, rows, f"models/sft_{variant}", f"checkpoints/sft_{variant}",
+        result = train_sft(options, args.base, rows, f"models/sft_{variant}", f"checkpoints/sft_{variant}",
                            dtype=str(section(params, "model").get("dtype", "float32")),
-                           report_to=tracking.report_to(), where=SFT_DATA)
+                           report_to=tracking.report_to(), where=sft_data)
         if not result.is_main_process:
             return
         train_seconds = time.perf_counter() - started

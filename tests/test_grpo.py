@@ -154,7 +154,7 @@ def test_vllm_engine_turns_on_trl_vllm_so_trl_syncs_its_weights(tmp_path):
 
 @pytest.mark.parametrize("run, message", [
     ({"colour": "red"}, "rl_runs.test_run: unknown key 'colour'"),
-    ({"dataset": "math"}, "rl_runs.test_run.dataset: 'math' has no entry in rl.datasets"),
+    ({"dataset": "math"}, "rl_runs.test_run.dataset: 'math' has no entry in rl_datasets"),
     ({"reward": "kindness"}, "rl_runs.test_run.reward: unknown schedule 'kindness'"),
     ({"variant": "hidden"}, "variant: expected one of 'seen', 'unseen'"),
 ])

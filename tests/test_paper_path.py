@@ -23,6 +23,7 @@ from parallel_r1.rewards import build_reward
 from parallel_r1.training.grpo import RLOptions, batch_layout, grpo_config, rl_dataset, rollout_function_for
 from parallel_r1.training.grpo_trainer import ParallelGRPOTrainer, step_records
 from stages.common import load_params
+from stages.rl import rl_options
 from test_grpo import PROBLEMS, RL, ForkSomeRollouts, init_dir, options  # noqa: F401  (init_dir: fixture)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,8 +51,8 @@ PROFILES = sorted(yaml.safe_load((REPO / "params.yaml").read_text(encoding="utf-
 def test_vllm_importance_sampling_correction_is_off_in_every_profile(profile, tmp_path):
     params = load_params(REPO / "params.yaml", profile)
     assert params["rl"]["vllm_importance_sampling_correction"] is False
-    rl = {**params["rl"], "engine": "vllm"}
-    config = grpo_config(RLOptions.from_sections("grpo_dapo", rl, params["rl_runs"]["grpo_dapo"]), tmp_path)
+    on_vllm = {**params, "rl": {**params["rl"], "engine": "vllm"}}
+    config = grpo_config(rl_options(on_vllm, "grpo_dapo"), tmp_path)
     assert config.use_vllm and config.vllm_importance_sampling_correction is False
 
 
@@ -99,7 +100,7 @@ def test_mini_batches_make_several_updates_per_rollout_batch(batch, mini, genera
 def test_paper_profile_makes_two_updates_per_step_and_counts_steps_in_rollout_batches(tmp_path):
     params = load_params(REPO / "params.yaml", "paper")
     for run in ("rl_gsm8k_seen", "parallel_r1_unseen_s2"):
-        opts = RLOptions.from_sections(run, params["rl"], params["rl_runs"][run])
+        opts = rl_options(params, run)
         config = grpo_config(opts, tmp_path)
         assert opts.updates_per_step == 2
         assert config.max_steps == 2 * opts.max_steps and config.save_steps == 2 * opts.save_steps
@@ -108,7 +109,7 @@ def test_paper_profile_makes_two_updates_per_step_and_counts_steps_in_rollout_ba
 
 def test_mini_batch_that_does_not_divide_the_batch_is_a_one_line_error():
     rl = {**RL, "datasets": {"gsm8k": {"batch_size": 4, "mini_batch_size": 3, "num_generations": 2, "max_steps": 1}}}
-    with pytest.raises(PipelineError, match=r"rl.datasets.gsm8k.mini_batch_size: 3 does not divide batch_size 4"):
+    with pytest.raises(PipelineError, match=r"rl_datasets.gsm8k.mini_batch_size: 3 does not divide batch_size 4"):
         options(rl)
 
 

@@ -47,7 +47,7 @@ def test_paper_profile_sft_matches_the_paper(paper, reference):
 
 def test_paper_profile_rl_matches_the_paper(paper, reference):
     hyper = reference["hyperparameters"]
-    gsm8k, dapo = paper["rl"]["datasets"]["gsm8k"], paper["rl"]["datasets"]["dapo"]
+    gsm8k, dapo = paper["rl_datasets"]["gsm8k"], paper["rl_datasets"]["dapo"]
     assert (gsm8k["batch_size"], gsm8k["num_generations"], gsm8k["max_steps"]) == (
         hyper["rl_gsm8k"]["batch_size"], hyper["rl_gsm8k"]["rollouts"], hyper["rl_gsm8k"]["grad_updates"])
     assert (dapo["batch_size"], dapo["num_generations"], dapo["max_steps"]) == (
@@ -62,12 +62,13 @@ def test_paper_profile_rl_matches_the_paper(paper, reference):
 def test_paper_profile_rewards_and_eval_match_the_paper(paper, reference):
     hyper = reference["hyperparameters"]
     tiered = hyper["s2_alternating"]["tiered_reward"]
-    rewards = paper["rewards"]
+    rewards = {**paper["rewards"], **paper["reward_schedules"]["alternating"]}
+    assert paper["reward_schedules"]["scaffold"] == {**paper["reward_schedules"]["alternating"],
+                                                     "switch_step": reference["scaffold"]["switch_step"]}
     assert rewards["window"] == hyper["s2_alternating"]["window_steps"]
     assert 1 - rewards["tiered_steps"] / rewards["window"] == pytest.approx(hyper["s2_alternating"]["accuracy_share"])
     assert (rewards["tiered_parallel_reward"], rewards["tiered_correct_reward"], rewards["incorrect_reward"]) == (
         tiered["correct_with_parallel"], tiered["correct_without_parallel"], tiered["otherwise"])
-    assert rewards["switch_step"] == reference["scaffold"]["switch_step"]
     evaluate = paper["evaluate"]
     assert evaluate["temperature"] == hyper["eval"]["temperature"]
     assert evaluate["benchmarks"]["math"]["k"] == hyper["eval"]["math_samples"]

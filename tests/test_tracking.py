@@ -141,7 +141,7 @@ def test_stage_run_lands_on_the_server_under_its_parent_with_params_tags_and_met
     run = client.get_run(run_id)
     assert run.info.run_name == "rl@grpo_dapo" and run.info.status == "FINISHED"
     assert run.data.tags["mlflow.parentRunId"] == parent_id
-    assert run.data.params["rl.lr"] == "1e-06" and run.data.params["rl.datasets.gsm8k.max_steps"] == "2"
+    assert run.data.params["rl.lr"] == "1e-06" and run.data.params["rl_datasets.gsm8k.max_steps"] == "2"
     tags = run.data.tags
     assert (tags["dvc_stage"], tags["dvc_exp_name"], tags["profile"]) == ("rl@grpo_dapo", "sweep-1-grpo_dapo", "tiny")
     assert (tags["reward_schedule"], tags["variant"]) == ("alternating", "unseen")

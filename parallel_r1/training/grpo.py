@@ -63,7 +63,7 @@ RESUMABLE_FIELDS = ("max_steps", "save_steps")
 
 @dataclass(frozen=True)
 class RLOptions:
-    """One GRPO run: params.yaml `rl` + `rl.datasets.<dataset>` + `rl_runs.<run>`.
+    """One GRPO run: params.yaml `rl` + `rl_datasets.<dataset>` + `rl_runs.<run>`.
 
     Run (rl_runs.<run>):
         run: the configuration's name (= its output model folder `models/<run>`).
@@ -75,8 +75,8 @@ class RLOptions:
         parallel: fork at `<Parallel>` during rollouts; False = plain sampling (GRPO baselines).
         epsilon_high: upper clip (DAPO clip-higher; S2 and scaffold use 0.28), else = epsilon.
         snapshots: export a model every `snapshot_every` steps (the stage passes
-            evaluate.scaffold_curve.every) to `models/<run>/steps/step-<n>/`.
-    Batch shape (rl.datasets.<dataset>, or rl for every dataset):
+            scaffold_curve.every) to `models/<run>/steps/step-<n>/`.
+    Batch shape (rl_datasets.<dataset>, or rl for every dataset):
         batch_size: prompts per step (B); num_generations: rollouts per prompt (G);
         mini_batch_size: prompts per optimizer update (VERL's ppo_mini_batch_size; None = B), so a
             step makes B / mini_batch_size updates; max_steps: steps (rollout batches), the count
@@ -144,18 +144,18 @@ class RLOptions:
         dataset = run_entry.get("dataset")
         datasets = dict(rl or {}).get("datasets") or {}
         if dataset not in datasets:
-            raise PipelineError(f"params.yaml rl_runs.{run}.dataset: {dataset!r} has no entry in rl.datasets "
+            raise PipelineError(f"params.yaml rl_runs.{run}.dataset: {dataset!r} has no entry in rl_datasets "
                                 f"(known: {', '.join(datasets) or 'none'})")
         shape = datasets[dataset] or {}
         unknown = sorted(set(shape) - set(DATASET_KEYS))
         if unknown:
-            raise PipelineError(f"params.yaml rl.datasets.{dataset}: unknown key {unknown[0]!r} "
+            raise PipelineError(f"params.yaml rl_datasets.{dataset}: unknown key {unknown[0]!r} "
                                 f"(known: {', '.join(DATASET_KEYS)})")
         shared = {k: v for k, v in dict(rl or {}).items() if k != "datasets"}
         values = {**shared, **shape, **run_entry, "run": run, "seed": seed}
         if snapshot_every is not None:
             values["snapshot_every"] = snapshot_every
-        options = from_mapping(cls, values, f"params.yaml rl_runs.{run} (with rl, rl.datasets.{dataset})")
+        options = from_mapping(cls, values, f"params.yaml rl_runs.{run} (with rl, rl_datasets.{dataset})")
         if options.reward not in REWARDS:  # checked here, before any model is loaded
             raise PipelineError(f"params.yaml rl_runs.{run}.reward: unknown schedule {options.reward!r} "
                                 f"(known: {', '.join(sorted(REWARDS))})")
@@ -164,7 +164,7 @@ class RLOptions:
     def __post_init__(self) -> None:
         mini = self.mini_batch_size
         if mini is not None and (mini > self.batch_size or self.batch_size % mini):
-            raise PipelineError(f"params.yaml rl.datasets.{self.dataset}.mini_batch_size: {mini} does not divide "
+            raise PipelineError(f"params.yaml rl_datasets.{self.dataset}.mini_batch_size: {mini} does not divide "
                                 f"batch_size {self.batch_size} (updates per step = batch_size / mini_batch_size)")
 
     @property
@@ -211,7 +211,7 @@ def batch_layout(options: RLOptions, processes: int = 1) -> BatchLayout:
     per_update = completions // updates
     if per_update % processes:
         size = "mini_batch_size" if updates > 1 else "batch_size"
-        raise PipelineError(f"params.yaml rl.datasets.{options.dataset}: {size} x num_generations = {per_update} "
+        raise PipelineError(f"params.yaml rl_datasets.{options.dataset}: {size} x num_generations = {per_update} "
                             f"completions do not split over {processes} processes")
     per_process = per_update // processes
     micro = min(options.per_device_batch_size, per_process)  # a micro-batch cannot exceed a process's share

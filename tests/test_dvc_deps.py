@@ -1,0 +1,250 @@
+"""dvc.yaml tells the truth: every stage lists the project code it imports and only the params it reads.
+
+The first test walks each stage module's imports (ast, transitively, within the project) and fails
+when a stage's deps miss one. The second changes one reward-schedule knob in a copy of the repo whose
+outputs are placeholders committed to dvc.lock (`dvc commit -f`: no model is trained) and checks with
+`dvc status` that only the runs on that schedule, and what reads their outputs, are stale.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, copy_repo, set_param
+from parallel_r1.errors import PipelineError
+
+# Imported by stages but unable to change an output: the error type, and MLflow tracking (which
+# watches from the side; its own tests pin it). Everything else a stage imports is a dependency.
+CANNOT_CHANGE_OUTPUTS = {"parallel_r1/errors.py", "parallel_r1/tracking.py", "parallel_r1/mlflow_ui.py"}
+
+
+def dvc(repo: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "PARALLEL_R1_TRACKING": "off"}
+    return subprocess.run([sys.executable, "-m", "dvc", *args], cwd=repo, env=env, capture_output=True,
+                          text=True)
+
+
+def module_file(name: str) -> Path | None:
+    """The project file of dotted module `name` (a package's __init__.py), None outside the project."""
+    base = REPO.joinpath(*name.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Dotted names a module imports anywhere in its body (deferred imports inside functions count)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    names: set[str] = set()
+    package = ".".join(path.relative_to(REPO).with_suffix("").parts[:-1])
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parent, base] if base else parent)
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)  # `from pkg import module`
+    return names
+
+
+def project_imports(module: str, skip: set[str] = frozenset()) -> set[str]:
+    """Repo-relative files that `module` imports, transitively, itself included (packages' __init__ too).
+
+    The walk does not enter `skip`: what only tracking imports cannot change an output either.
+    """
+    seen: set[str] = set(skip)
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        parts = name.split(".")
+        for depth in range(1, len(parts) + 1):  # importing a.b.c runs a/__init__ and a/b/__init__ too
+            path = module_file(".".join(parts[:depth]))
+            if path is None:
+                continue
+            rel = path.relative_to(REPO).as_posix()
+            if rel not in seen:
+                seen.add(rel)
+                todo.extend(imported_modules(path))
+    return seen - set(skip)
+
+
+def stage_definitions() -> dict[str, dict]:
+    """dvc.yaml's stages as DVC resolves them (foreach expanded), name -> {cmd, deps, params}."""
+    from dvc.repo import Repo
+
+    with Repo(str(REPO)) as repo:
+        return {stage.addressing: {"cmd": stage.cmd, "deps": [dep.def_path for dep in stage.deps
+                                                             if not dep.def_path.endswith("params.yaml")]}
+                for stage in repo.index.stages}
+
+
+def covered(path: str, deps: list[str]) -> bool:
+    return any(path == dep or path.startswith(dep.rstrip("/") + "/") for dep in deps)
+
+
+def needed_code(stage: dict) -> set[str]:
+    module = stage["cmd"].split("python -m ", 1)[1].split()[0]
+    return project_imports(module, CANNOT_CHANGE_OUTPUTS) - {"stages/__init__.py", "parallel_r1/__init__.py"}
+
+
+def test_every_stage_lists_the_project_code_it_imports():
+    missing = {}
+    for name, stage in stage_definitions().items():
+        gaps = sorted(path for path in needed_code(stage) if not covered(path, stage["deps"]))
+        if gaps:
+            missing[name] = gaps
+    assert not missing, "dvc.yaml deps miss imported project code:\n" + "\n".join(
+        f"  {name}: {', '.join(gaps)}" for name, gaps in sorted(missing.items()))
+
+
+def test_no_stage_lists_project_code_it_does_not_import():
+    extra = {}
+    for name, stage in stage_definitions().items():
+        needed = needed_code(stage)
+        code = [dep for dep in stage["deps"] if dep.startswith(("stages/", "parallel_r1/"))]
+        unused = sorted(dep for dep in code if not any(covered(path, [dep]) for path in needed))
+        if unused:
+            extra[name] = unused
+    assert not extra, "dvc.yaml deps name code the stage never imports:\n" + "\n".join(
+        f"  {name}: {', '.join(deps)}" for name, deps in sorted(extra.items()))
+
+
+# ---------------------------------------------------------------- params: what a knob makes stale
+
+
+def outs_and_deps(repo: Path) -> tuple[list[str], list[str]]:
+    """Every output path of dvc.yaml, and every dependency path (params files left out)."""
+    from dvc.repo import Repo
+
+    with Repo(str(repo)) as dvc_repo:
+        stages = dvc_repo.index.stages
+        outs = {out.def_path for stage in stages for out in stage.outs}
+        deps = {dep.def_path for stage in stages for dep in stage.deps
+                if not dep.def_path.endswith("params.yaml")}
+    return sorted(outs), sorted(deps)
+
+
+def lock_with_placeholders(repo: Path) -> None:
+    """Every output a placeholder, then `dvc commit -f`: a dvc.lock as after a full `dvc repro`, in seconds.
+
+    `dvc status` compares deps and params against the lock, never reruns anything, so placeholder
+    outputs are enough to see which stages a change would rebuild.
+    """
+    outs, deps = outs_and_deps(repo)
+    for name in [*outs, *deps]:  # deps inside an output folder (data/rl/gsm8k.jsonl) are files in it
+        path = repo / name
+        if path.exists():
+            continue
+        if path.suffix:  # a file (x.json, x.md, x.png, x.jsonl)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(f"placeholder {name}\n")
+        else:
+            path.mkdir(parents=True)
+            (path / "placeholder.txt").write_text(f"placeholder {name}\n")
+    result = dvc(repo, "commit", "-f")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def stale_stages(repo: Path) -> set[str]:
+    result = dvc(repo, "status", "--json")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return set(json.loads(result.stdout or "{}"))
+
+
+def edit_params(repo: Path, old: str, new: str) -> None:
+    """One text edit of the copy's params.yaml (keeps its YAML anchors, which a YAML round trip expands)."""
+    params_file = repo / "params.yaml"
+    text = params_file.read_text()
+    assert text.count(old) == 1, old
+    params_file.write_text(text.replace(old, new))
+
+
+def test_each_reward_schedule_has_its_own_knobs_in_every_profile():
+    from parallel_r1.rewards import REWARDS, SCHEDULE_KNOBS, SHARED_KNOBS
+
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    assert set(params["rewards"]) == set(SHARED_KNOBS)
+    assert {name: set(knobs) for name, knobs in params["reward_schedules"].items()} == \
+        {name: set(SCHEDULE_KNOBS[name]) for name in REWARDS}
+    for name, profile in params["profiles"].items():  # DVC needs every key a stage can name, in every profile
+        assert set(profile["reward_schedules"]) == set(REWARDS), name
+        assert set(profile["rl_datasets"]) == set(params["rl_datasets"]), name
+
+
+@pytest.fixture(scope="module")
+def locked_repo(tmp_path_factory, mirror):
+    repo = copy_repo(tmp_path_factory.mktemp("locked"), mirror)
+    lock_with_placeholders(repo)
+    assert stale_stages(repo) == set()
+    return repo
+
+
+@pytest.fixture
+def params_restored(locked_repo):
+    original = (locked_repo / "params.yaml").read_text()
+    yield yaml.safe_load(original)
+    (locked_repo / "params.yaml").write_text(original)
+
+
+def runs(params: dict, **where: str) -> set[str]:
+    return {f"rl@{run}" for run, entry in params["rl_runs"].items()
+            if all(entry[key] in values.split("|") for key, values in where.items())}
+
+
+@pytest.mark.slow
+def test_an_s2_knob_makes_only_the_s2_and_scaffold_runs_stale(locked_repo, params_restored):
+    # the active (tiny) profile's S2 window; the scaffold run takes S2's knobs through the YAML merge
+    edit_params(locked_repo, "alternating: &TINY_S2 {window: 2,", "alternating: &TINY_S2 {window: 3,")
+    expected = runs(params_restored, reward="alternating|scaffold")
+    assert expected == {"rl@parallel_r1_unseen_s2", "rl@scaffold"}
+    # scaffold_curve reads the profile's scaffold entry for switch_step (the paper profile's entry is
+    # empty, so DVC can only name the entry); it also reads models/scaffold, so it reruns anyway.
+    assert stale_stages(locked_repo) == expected | {"scaffold_curve"}
+
+
+@pytest.mark.slow
+def test_a_dataset_step_count_makes_only_that_datasets_runs_stale(locked_repo, params_restored):
+    set_param(locked_repo / "params.yaml", "profiles.tiny.rl_datasets.gsm8k.max_steps", "5")
+    assert stale_stages(locked_repo) == runs(params_restored, dataset="gsm8k")
+
+
+@pytest.mark.slow
+def test_an_evaluation_k_makes_only_evaluations_stale(locked_repo, params_restored):
+    set_param(locked_repo / "params.yaml", "evaluate.benchmarks.aime25.k", "8")
+    expected = {f"evaluate@{model}" for model in params_restored["evaluate"]["models"]} | {"scaffold_curve"}
+    assert stale_stages(locked_repo) == expected
+
+
+def test_an_rl_run_reads_only_its_schedules_knobs():
+    from stages.common import load_params
+    from stages.rl import reward_config
+
+    params = load_params(REPO / "params.yaml", profile="paper")
+    assert reward_config(params, "alternating").window == 10
+    assert reward_config(params, "scaffold").switch_step == 200
+    params["reward_schedules"]["accuracy"] = {"window": 3}   # accuracy never reads a window
+    with pytest.raises(PipelineError, match=r"^params.yaml reward_schedules.accuracy: unknown key 'window' "):
+        reward_config(params, "accuracy")
+
+
+def test_evaluation_takes_the_rollout_mode_from_the_model_folder(tmp_path, monkeypatch):
+    from parallel_r1.io import write_json
+    from stages.evaluate import rollout_mode
+
+    monkeypatch.chdir(tmp_path)
+    write_json("models/ablation/rollout.json", {"prompt": "baseline", "variant": "unseen", "parallel": False})
+    assert rollout_mode("ablation") == ("baseline", True, False)
+    assert rollout_mode("sft_unseen") == ("parallel", True, True)
