@@ -238,7 +238,7 @@ class SFTResult:
 def _fingerprint(options: SFTOptions, dataset, base_dir: Path) -> dict:
     """What checkpoints depend on: training options, the data, the base model files."""
     data = hashlib.sha256()
-    for prompt, completion in zip(dataset["prompt"], dataset["completion"]):
+    for prompt, completion in zip(dataset["prompt"], dataset["completion"], strict=True):
         data.update(prompt.encode() + b"\0" + completion.encode() + b"\0")
     training = {k: v for k, v in asdict(options).items() if k not in PROBE_FIELDS}
     return {"options": training, "data_sha256": data.hexdigest(), "base_model": file_signature(base_dir)}
@@ -308,7 +308,7 @@ def train_sft(options: SFTOptions, base_dir: str | os.PathLike, rows: Sequence[M
 
 
 def probe_parallel_blocks(model_dir: str | os.PathLike, questions: Sequence[str], max_new_tokens: int,
-                          batch_size: int = 8, n_examples: int = 2) -> dict[str, Any]:
+                          batch_size: int = 16, n_examples: int = 2) -> dict[str, Any]:
     """Greedy generations of the saved model on `questions` and how many hold well-formed blocks.
 
     Plain `model.generate` with causal attention and no forking engine, so the model must write
