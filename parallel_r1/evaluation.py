@@ -181,7 +181,7 @@ def summarize(
         "n_samples": n_samples,
         "mean_at_k": mean_at_k(correct),
         "pass_at_k": sum(pass_at_k(len(c), sum(c), k, f"{where} problem {pid!r}")
-                         for pid, c in zip(groups, correct)) / len(groups),
+                         for pid, c in zip(groups, correct, strict=True)) / len(groups),
         "parallel_ratio": sum(s.parallel for s in scored) / n_samples,
         "parallel_position": sum(positions) / len(positions) if positions else None,
         "path_diversity": sum(diversities) / len(diversities) if diversities else None,
@@ -222,7 +222,7 @@ def generate_benchmark_samples(engine, tokenizer, benchmarks: Mapping[str, tuple
         prompt_ids.append(rendered[key])
     rollouts = engine.generate(prompt_ids, 1) if prompt_ids else []
     samples: dict[str, list[Sample]] = {name: [] for name in benchmarks}
-    for (name, problem, index), rollout in zip(jobs, rollouts):
+    for (name, problem, index), rollout in zip(jobs, rollouts, strict=True):
         samples[name].append(Sample(problem_id=str(problem["id"]), sample_index=index, response=rollout.text,
                                     ground_truth=str(problem["ground_truth"]), answer_kind=problem["answer_kind"],
                                     completion_tokens=len(rollout.completion_ids), truncated=rollout.truncated))

@@ -135,7 +135,7 @@ def init_tag_embeddings(model, tokenizer) -> None:
             if embeddings is None:
                 continue
             weight = embeddings.weight
-            for tag_id, piece_ids in zip(tag_ids, pieces):
+            for tag_id, piece_ids in zip(tag_ids, pieces, strict=True):
                 weight[tag_id] = weight[piece_ids].mean(dim=0).to(weight.dtype)
 
 

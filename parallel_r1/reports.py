@@ -291,7 +291,7 @@ def table2(eval_metrics: Mapping[str, Mapping[str, dict]], rows: Mapping[str, st
     headers = ["Row", "Model"] + [_column_header(c, ks) for c in columns]
     ours_rows, delta_rows = [], []
     for key, model in rows.items():
-        ref = dict(zip(columns, paper_rows[key]))
+        ref = dict(zip(columns, paper_rows[key], strict=True))
         label = [ROW_LABELS.get(key, key), f"`models/{model}`"]
         ours_rows.append(label + [f"{_pct(scores[key][c])} ({_pct(ref[c])})" for c in columns]
                          + [_pct(scores[key][c]) for c in extra])
@@ -378,9 +378,9 @@ def rl_runs(summaries: Mapping[str, Mapping[str, Any]], steps: Mapping[str, Sequ
         history = steps.get(run, [])
         first, last = (history[0], history[-1]) if history else ({}, {})
 
-        def moved(key: str, digits: int = 2) -> str:
+        def moved(key: str, first: dict = first, last: dict = last) -> str:   # bound to this run's steps
             a, b = first.get(key), last.get(key)
-            return "—" if a is None or b is None else f"{a:.{digits}f} → {b:.{digits}f}"
+            return "—" if a is None or b is None else f"{a:.2f} → {b:.2f}"
 
         diversity = [h["path_diversity"] for h in history if h.get("path_diversity") is not None]
         body.append([f"`{run}`", str(summary["reward"]), str(summary["variant"]),

@@ -133,13 +133,13 @@ def plot(runs: list[RunCurves], path: str | os.PathLike) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colours = dict(zip(SCHEDULES, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    colours = dict(zip(SCHEDULES, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
     fig, axes = plt.subplots(1, len(METRICS), figsize=(5 * len(METRICS), 3.8), squeeze=False)
-    for axis, curve in zip(axes[0], METRICS):
+    for axis, curve in zip(axes[0], METRICS, strict=True):
         for run in runs:
             points = run.curves.get(curve) or []
             if points:
-                steps, values = zip(*points)
+                steps, values = zip(*points, strict=True)
                 axis.plot(steps, values, color=colours[run.schedule], marker=".",
                           label=f"{SCHEDULES[run.schedule]}: {run.name}")
         axis.set_title(curve)

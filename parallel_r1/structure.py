@@ -227,14 +227,16 @@ def build_structure(input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         rows, cols = (t.tolist() for t in is_tag.nonzero(as_tuple=True))
         ids = input_ids[is_tag].tolist()
         per_row: list[list[tuple[int, int]]] = [[] for _ in range(batch)]
-        for row, col, tag in zip(rows, cols, ids):
+        for row, col, tag in zip(rows, cols, ids, strict=True):
             per_row[row].append((col, tag))
         for row, tag_seq in enumerate(per_row):
             blocks, n_broken, n_open = _parse_blocks(tag_seq, tags, length, open_block)
             broken, opened = broken + n_broken, opened + n_open
             for block in blocks:
                 ends = block.path_starts[1:] + (block.end,)
-                sizes = [int(before[row, e] - before[row, s]) for s, e in zip(block.path_starts, ends)]
+                # a block without paths has ends == (end,): nothing to size
+                sizes = [int(before[row, e] - before[row, s])
+                         for s, e in zip(block.path_starts, ends, strict=False)]
                 for i in range(1, len(sizes)):
                     hidden_start[row, block.path_starts[i]:ends[i]] = block.path_starts[0]
                     hidden_end[row, block.path_starts[i]:ends[i]] = block.path_starts[i]

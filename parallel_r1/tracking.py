@@ -458,7 +458,7 @@ def _log_params(run_id: str, params: Mapping[str, Any]) -> None:
     client = _client()
     for start in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
         chunk = items[start:start + MAX_PARAMS_TAGS_PER_BATCH]
-        if _guard("log params", lambda: client.log_batch(run_id, params=chunk) or True) is None:
+        if _guard("log params", lambda chunk=chunk: client.log_batch(run_id, params=chunk) or True) is None:
             return
 
 

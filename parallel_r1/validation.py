@@ -28,8 +28,16 @@ from typing import TYPE_CHECKING, Any, Iterable, Literal
 
 import pandas as pd
 
-from parallel_r1.format import (PARALLEL_CLOSE, PARALLEL_OPEN, PATH_CLOSE, PATH_OPEN, SUMMARY_CLOSE, SUMMARY_OPEN,
-                                TAGS, check_format)
+from parallel_r1.format import (
+    PARALLEL_CLOSE,
+    PARALLEL_OPEN,
+    PATH_CLOSE,
+    PATH_OPEN,
+    SUMMARY_CLOSE,
+    SUMMARY_OPEN,
+    TAGS,
+    check_format,
+)
 from parallel_r1.io import atomic_path
 from parallel_r1.rewards import ANSWER_KINDS, extract_final_answer, strip_tags
 
@@ -103,7 +111,7 @@ def derive_columns(frame: pd.DataFrame) -> pd.DataFrame:
         frame[QUESTION_KEY] = frame["question"].map(lambda q: " ".join(q.split()) if isinstance(q, str) else None)
     if "prompt" in frame and "question" in frame:
         frame[PROMPT_HAS_QUESTION] = [q.strip() in p if isinstance(p, str) and isinstance(q, str) else None
-                                      for p, q in zip(frame["prompt"], frame["question"])]
+                                      for p, q in zip(frame["prompt"], frame["question"], strict=True)]
     if "completion" in frame:  # null where the completion is not text: only its own checks fail then
         texts = [text if isinstance(text, str) else None for text in frame["completion"]]
         results = [check_format(text) if text is not None else None for text in texts]
@@ -132,7 +140,10 @@ def _gx():
 
     if _BATCH_DEFINITION is None:
         from great_expectations.data_context.types.base import (
-            DataContextConfig, InMemoryStoreBackendDefaults, ProgressBarsConfig)
+            DataContextConfig,
+            InMemoryStoreBackendDefaults,
+            ProgressBarsConfig,
+        )
 
         project = DataContextConfig(analytics_enabled=False, store_backend_defaults=InMemoryStoreBackendDefaults(),
                                     progress_bars=ProgressBarsConfig(globally=False, metric_calculations=False))
@@ -307,10 +318,10 @@ def _outcome(result, frame: pd.DataFrame, config: ValidationConfig) -> Expectati
         status, note = "failed", "column missing from the file"
     else:
         status, note = ("passed" if result.success else "failed" if severity == "critical" else "warning"), ""
-    ids = frame["id"] if "id" in frame else None
+    ids = frame.get("id")
     offending = []
     for index, value in zip(details.get("partial_unexpected_index_list") or [],
-                            details.get("partial_unexpected_list") or []):
+                            details.get("partial_unexpected_list") or [], strict=False):
         row_id = _cut(ids.iloc[index], config.max_value_chars) if ids is not None else "null"
         offending.append(OffendingRow(int(index) + 1, None if row_id == "null" else row_id,
                                       _cut(value, config.max_value_chars)))

@@ -64,7 +64,7 @@ def model_rows(name: str, problems: list[dict], gen: dict, seed: int, student_to
             chunk = todo[start:start + CHUNK]
             prompts = [render_prompt(teacher_tokenizer, p["question"]) for p in chunk]
             prompt_ids = [teacher_tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-            for problem, prompt, rollout in zip(chunk, prompts, engine.generate(prompt_ids, 1)):
+            for problem, prompt, rollout in zip(chunk, prompts, engine.generate(prompt_ids, 1), strict=True):
                 completion, unfinished = strip_thinking(rollout.text)
                 tokens = len(student_tokenizer(completion, add_special_tokens=False)["input_ids"])
                 row = teacher_record(problem, prompt, completion, "model", str(gen["teacher"]), tokens,

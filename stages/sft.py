@@ -23,7 +23,6 @@ from contextlib import nullcontext
 
 from parallel_r1 import tracking
 from parallel_r1.data import load_problems
-from parallel_r1.errors import PipelineError
 from parallel_r1.io import read_jsonl, write_json
 from parallel_r1.training.sft import VARIANTS, SFTOptions, probe_parallel_blocks, train_sft
 from stages.common import load_params, section, stage_main

@@ -71,7 +71,7 @@ class TransformersBackend:
         try:
             with torch.inference_mode():
                 for chunk in chunks:
-                    for index, result in zip(chunk, self._run([requests[i] for i in chunk])):
+                    for index, result in zip(chunk, self._run([requests[i] for i in chunk]), strict=True):
                         results[index] = result
         finally:
             self.model.train(was_training)
@@ -146,7 +146,7 @@ class TransformersBackend:
             position = position + 1
             logits = self.model(input_ids=new[:, None], attention_mask=padding, position_ids=position[:, None],
                                 past_key_values=cache, use_cache=True).logits[:, -1, :]
-        return [SegmentResult(t, lp, s) for t, lp, s in zip(tokens, logprobs, stopped)]
+        return [SegmentResult(t, lp, s) for t, lp, s in zip(tokens, logprobs, stopped, strict=True)]
 
     def _sample(self, logits: torch.Tensor, sequences: torch.Tensor, requests: Sequence[SegmentRequest],
                 generators: Sequence[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -168,7 +168,7 @@ class ForkingTransformersBackend(TransformersBackend):
             return []
         structures = [self._structure(request) for _, request in joining]
         tails: dict[Hashable, tuple[KeptRow, _Encode]] = {}
-        for (_, request), structure in zip(joining, structures):
+        for (_, request), structure in zip(joining, structures, strict=True):
             for key, tail in self._reuse(request, structure, tails_wanted=True)[1].items():
                 tails.setdefault(key, tail)
         for group in self._groups([tail for _, tail in tails.values()]):
@@ -178,7 +178,7 @@ class ForkingTransformersBackend(TransformersBackend):
                 row = next(row for row, tail in tails.values() if tail is item)
                 row.extend(encoded.slice(len(encoded) - item.new, len(encoded)))
         items = []
-        for (ticket, request), structure in zip(joining, structures):
+        for (ticket, request), structure in zip(joining, structures, strict=True):
             reused = self._assemble(self._reuse(request, structure, tails_wanted=False)[0])
             if reused is not None and len(reused) == len(request.token_ids):  # keep one token to encode
                 reused = reused.slice(0, len(reused) - 1)
@@ -286,8 +286,8 @@ class ForkingTransformersBackend(TransformersBackend):
             return cut[0]
         return KeptRow([t for piece in cut for t in piece.tokens], torch.cat([p.positions for p in cut]),
                        torch.cat([p.ids for p in cut]),
-                       [torch.cat(layer, dim=1) for layer in zip(*(p.keys for p in cut))],
-                       [torch.cat(layer, dim=1) for layer in zip(*(p.values for p in cut))],
+                       [torch.cat(layer, dim=1) for layer in zip(*(p.keys for p in cut), strict=True)],
+                       [torch.cat(layer, dim=1) for layer in zip(*(p.values for p in cut), strict=True)],
                        torch.cat([p.hidden_start for p in cut]), torch.cat([p.hidden_end for p in cut]))
 
     # ------------------------------------------------------------------ encoding

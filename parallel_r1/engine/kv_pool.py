@@ -45,8 +45,8 @@ class KeptRow:
         self.tokens = self.tokens + other.tokens
         self.positions = torch.cat([self.positions, other.positions])
         self.ids = torch.cat([self.ids, other.ids])
-        self.keys = [torch.cat([a, b], dim=1) for a, b in zip(self.keys, other.keys)]
-        self.values = [torch.cat([a, b], dim=1) for a, b in zip(self.values, other.values)]
+        self.keys = [torch.cat([a, b], dim=1) for a, b in zip(self.keys, other.keys, strict=True)]
+        self.values = [torch.cat([a, b], dim=1) for a, b in zip(self.values, other.values, strict=True)]
         self.hidden_start = torch.cat([self.hidden_start, other.hidden_start])
         self.hidden_end = torch.cat([self.hidden_end, other.hidden_end])
 
@@ -137,8 +137,8 @@ class DecodePool:
         else:
             width = max(self.batch.width, batch.width)
             old, new = self.batch.padded(width, self.pad_token_id), batch.padded(width, self.pad_token_id)
-            merged = Batch([torch.cat([a, b]) for a, b in zip(old.keys, new.keys)],
-                           [torch.cat([a, b]) for a, b in zip(old.values, new.values)],
+            merged = Batch([torch.cat([a, b]) for a, b in zip(old.keys, new.keys, strict=True)],
+                           [torch.cat([a, b]) for a, b in zip(old.values, new.values, strict=True)],
                            *(torch.cat([getattr(old, name), getattr(new, name)])
                              for name in _COLUMN_DATA))
         self._set(merged)
@@ -196,7 +196,8 @@ def cache_over(config, keys: list[torch.Tensor], values: list[torch.Tensor], cac
 
     if cache is None:
         cache = DynamicCache(config=config)
-    for layer, layer_keys, layer_values in zip(cache.layers, keys, values):
+    # `cache.layers` can outnumber `keys` (the engine tests hit it): only the given layers are set
+    for layer, layer_keys, layer_values in zip(cache.layers, keys, values, strict=False):
         if not layer.is_initialized:
             layer.lazy_initialization(layer_keys, layer_values)
         layer.keys, layer.values = layer_keys, layer_values

@@ -192,7 +192,7 @@ class RolloutEngine:
                                       spans=context) for slot in range(self.config.num_paths)]
         elif state.phase == SUMMARY:
             stop = set(self.eos_ids) | {self.tags.summary_close}
-            paths = zip(state.path_keys, state.path_lengths)
+            paths = zip(state.path_keys, state.path_lengths, strict=True)
             spans = (KVSpan(state.context_key, 0, state.block_start),
                      *(KVSpan(key, state.block_start, length) for key, length in paths))
             requests = [self._request(state, 0, (), state.summary_budget, stop, spans=spans)]
@@ -301,7 +301,7 @@ class _RoundBarrier:
         results = self.backend.continue_batch([request for _, request in queued]) if queued else []
         if len(results) != len(queued):
             raise PipelineError(f"rollout backend returned {len(results)} results for {len(queued)} requests")
-        return [(ticket, result) for (ticket, _), result in zip(queued, results)]
+        return [(ticket, result) for (ticket, _), result in zip(queued, results, strict=True)]
 
     def release(self, keys: Sequence[Hashable]) -> None:
         """Nothing is kept between rounds."""

@@ -107,10 +107,10 @@ class VLLMBackend:
             logit_bias={t: BAN_BIAS for t in requests[i].banned_ids} or None, logprobs=0,
             detokenize=False, skip_special_tokens=False) for i in runnable]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        for index, output in zip(runnable, outputs):
+        for index, output in zip(runnable, outputs, strict=True):
             completion = output.outputs[0]
             tokens = list(completion.token_ids)
-            logprobs = [step[token].logprob for step, token in zip(completion.logprobs, tokens)]
+            logprobs = [step[token].logprob for step, token in zip(completion.logprobs, tokens, strict=True)]
             results[index] = SegmentResult(tokens, logprobs, completion.finish_reason == "stop")
         return results
 

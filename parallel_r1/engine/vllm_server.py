@@ -59,7 +59,7 @@ class VLLMServerBackend:
             (values,), (ids,) = parse_logprobs([choice["logprobs"]])
         except Exception as err:  # requests/HTTP errors arrive as bare Exceptions from VLLMClient
             raise PipelineError(f"vLLM server {self.client.base_url}: {str(err).splitlines()[0]}") from None
-        logprobs = [row[row_ids.index(token)] for row, row_ids, token in zip(values, ids, tokens)]
+        logprobs = [row[row_ids.index(token)] for row, row_ids, token in zip(values, ids, tokens, strict=True)]
         # "stop": a stop id or the model's EOS; "length": max_tokens or the server's max_model_len.
         return SegmentResult(tokens, logprobs, choice.get("finish_reason") == "stop")
 

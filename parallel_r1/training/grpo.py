@@ -381,7 +381,12 @@ def train_rl(options: RLOptions, init_dir: str | os.PathLike, rows: Sequence[Map
     engine = options.resolved_engine()
     if engine != "vllm":
         _keep_trl_off_vllm()
-    from parallel_r1.training.grpo_trainer import ParallelGRPOTrainer, SnapshotCallback, save_policy, step_records
+    from parallel_r1.training.grpo_trainer import (
+        ParallelGRPOTrainer,
+        SnapshotCallback,
+        save_policy,
+        step_records,
+    )
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is TRL-experimental, knowingly used
     state = PartialState()

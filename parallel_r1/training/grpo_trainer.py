@@ -84,7 +84,7 @@ class ParallelGRPOTrainer(GRPOTrainer):
         self.rollout_stats.calls += 1
         if seconds > 0:
             self._log_metric("rollout_tokens_per_s", tokens / seconds)
-        for ids, text in zip(completions, texts):
+        for ids, text in zip(completions, texts, strict=True):
             self._log_metric("response_length", float(len(ids)))
             self._log_metric("blocks_per_response", float(count_blocks(text)))
             position = parallel_position(text, self._tokenizer) if PARALLEL_OPEN in text else None
