@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -20,6 +21,7 @@ BENCHMARKS = ("aime24", "aime25", "amc23", "math")
 def workdir(tmp_path_factory, mirror):
     root = tmp_path_factory.mktemp("evaluate")
     params = (REPO / "params.yaml").read_text().replace("mirror_dir: ../shared/data", f"mirror_dir: {mirror}")
+    params = re.sub(r"^profile: \w+", "profile: tiny", params, count=1, flags=re.M)  # the fast random-init model
     (root / "params.yaml").write_text(params.replace("      max_tokens: 64\n      benchmarks:", "      max_tokens: 24\n      benchmarks:"))
     prepare_base_model("tiny", root / "models" / "base", tiny=SMALL)
     return root

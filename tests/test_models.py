@@ -40,7 +40,7 @@ def test_prepared_tiny_model_round_trips(tmp_path):
     assert not list(tmp_path.glob(".base.*")), "no temporary folder left behind"
 
 
-def test_pretrained_folder_gets_tags_at_the_mean_embedding(tmp_path):
+def test_pretrained_folder_gets_tags_at_their_spelling_mean(tmp_path):
     plain = AutoTokenizer.from_pretrained(str(qwen3_tokenizer_dir()))
     model = build_tiny_model(plain, SMALL)
     model.save_pretrained(tmp_path / "pretrained")
@@ -49,8 +49,12 @@ def test_pretrained_folder_gets_tags_at_the_mean_embedding(tmp_path):
     tag_ids = tokenizer.convert_tokens_to_ids(list(TAGS))
     weight = prepared.get_input_embeddings().weight
     assert weight.shape[0] == len(tokenizer) == len(plain) + 6
-    expected = model.get_input_embeddings().weight[: min(tag_ids)].mean(dim=0)
-    assert torch.allclose(weight[tag_ids], expected.expand(6, -1), atol=1e-6)
+    original = model.get_input_embeddings().weight
+    for tag, tag_id in zip(TAGS, tag_ids):
+        pieces = plain(tag, add_special_tokens=False)["input_ids"]  # "<", "Parallel", ">" before the tags exist
+        assert len(pieces) > 1
+        torch.testing.assert_close(weight[tag_id], original[pieces].mean(dim=0))
+    assert not torch.allclose(weight[tag_ids[0]], weight[tag_ids[2]])  # each tag its own start, not one mean
 
 
 def test_bad_checkpoints_fail_in_one_line(tmp_path):
