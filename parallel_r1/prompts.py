@@ -30,7 +30,7 @@ Do not explicitly mention that you are triggering parallel thinking—just inser
 
 End your response with a line starting with Final Answer: followed by the final result.
 
-Problem: {Problem}"""
+Problem: {Problem}"""  # noqa: E501 (the paper's prompt, verbatim: its lines are the text, not code)
 
 BASELINE_PROMPT = '{Problem} Let\'s think step by step and output the final answer after "Final Answer: ".'
 
@@ -80,8 +80,8 @@ def end_of_turn_ids(tokenizer) -> frozenset[int]:
     if getattr(tokenizer, "chat_template", None) is None:
         return frozenset()
     mark = "END-OF-TURN-PROBE"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": mark}],
-                                         tokenize=False)
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": mark}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
     if mark not in text:
         return frozenset()
     after = tokenizer(text[text.rindex(mark) + len(mark):], add_special_tokens=False)["input_ids"]

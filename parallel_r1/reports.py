@@ -152,7 +152,8 @@ def _benchmark_metrics(eval_metrics: Mapping[str, Mapping[str, dict]], model: st
     if missing := [key for key in _REQUIRED_EVAL_KEYS if key not in metrics]:
         raise PipelineError(f"{name}: missing key(s) {', '.join(missing)}")
     if metrics["profile"] != profile:
-        raise PipelineError(f"{name}: computed for profile {metrics['profile']!r}, the report is for {profile!r}")
+        raise PipelineError(f"{name}: computed for profile {metrics['profile']!r}, the report is for "
+                            f"{profile!r}")
     return metrics
 
 
@@ -181,8 +182,10 @@ def model_scores(eval_metrics: Mapping[str, Mapping[str, dict]], model: str, pro
         scores[key] = sum(v * w for v, w in weighted) / weight if weight else None
     scores["n_samples"] = n_samples
     scores["truncated"] = sum(m.get("truncated", 0) for m in per_bench.values())
-    tokens = [m["mean_response_tokens"] * m["n_samples"] for m in per_bench.values() if "mean_response_tokens" in m]
-    scores["mean_response_tokens"] = sum(tokens) / n_samples if n_samples and len(tokens) == len(per_bench) else None
+    tokens = [m["mean_response_tokens"] * m["n_samples"] for m in per_bench.values()
+              if "mean_response_tokens" in m]
+    every_bench = n_samples and len(tokens) == len(per_bench)
+    scores["mean_response_tokens"] = sum(tokens) / n_samples if every_bench else None
     return scores
 
 
@@ -217,14 +220,16 @@ def _sample_counts(eval_metrics: Mapping[str, Mapping[str, dict]], models: Seque
             continue
         counts = sorted({(eval_metrics[m][bench]["k"], eval_metrics[m][bench]["n_problems"]) for m in models})
         text = ", ".join(f"k={k} × {n} problems" for k, n in counts)
-        parts.append(f"{_BENCH_NAMES[bench]}: {text}" + (" (differs between models)" if len(counts) > 1 else ""))
+        differs = " (differs between models)" if len(counts) > 1 else ""
+        parts.append(f"{_BENCH_NAMES[bench]}: {text}{differs}")
     return "Samples per model: " + "; ".join(parts) + "."
 
 
 def _check_rows(rows: Mapping[str, str], paper_rows: Mapping[str, Any], report: str) -> None:
     unknown = [key for key in rows if key not in paper_rows]
     if unknown:
-        raise PipelineError(f"{report} rows: unknown row {unknown[0]!r} (paper rows: {', '.join(paper_rows)})")
+        known = ", ".join(paper_rows)
+        raise PipelineError(f"{report} rows: unknown row {unknown[0]!r} (paper rows: {known})")
     missing = [key for key in paper_rows if key not in rows]
     if missing:
         raise PipelineError(f"{report} rows: no model given for paper row {missing[0]!r}")
@@ -239,7 +244,8 @@ def _details_table(rows: Mapping[str, str], scores: Mapping[str, dict]) -> list[
     for key, model in rows.items():
         score = scores[key]
         position, diversity = score["parallel_position"], score["path_diversity"]
-        body.append([ROW_LABELS.get(key, key), f"`models/{model}`", str(score["n_samples"]), str(score["truncated"]),
+        body.append([ROW_LABELS.get(key, key), f"`models/{model}`", str(score["n_samples"]),
+                     str(score["truncated"]),
                      _pct(score["mean_response_tokens"]), "—" if position is None else f"{position:.2f}",
                      "—" if diversity is None else f"{diversity:.2f}"])
     return _table(["Row", "Model", "Samples", "Truncated", "Mean response tokens",
@@ -255,13 +261,15 @@ def table1(filter_metrics: Mapping[str, dict], profile: str) -> str:
     body, kept = [], []
     for dataset, metrics in filter_metrics.items():
         where = f"metrics/filter/{dataset}.json"
-        if missing := [k for k in ("source", "model", "examples", "valid", "valid_pct", "reasons") if k not in metrics]:
+        if missing := [k for k in ("source", "model", "examples", "valid", "valid_pct",
+                                   "reasons") if k not in metrics]:
             raise PipelineError(f"{where}: missing key(s) {', '.join(missing)}")
         source = (f"released generations of {metrics['model']}" if metrics["source"] == "released"
                   else f"model: {metrics['model']}")
         ref = paper.get(dataset, {})
         reasons = ", ".join(f"{r}: {n}" for r, n in sorted(metrics["reasons"].items(), key=lambda kv: -kv[1]))
-        body.append([dataset, source, f"{metrics['examples']} ({ref.get('examples', '—')})", str(metrics["valid"]),
+        body.append([dataset, source, f"{metrics['examples']} ({ref.get('examples', '—')})",
+                     str(metrics["valid"]),
                      _pct(metrics["valid_pct"]), _pct(ref.get("valid_pct")),
                      delta(metrics["valid_pct"], ref.get("valid_pct")), reasons or "—"])
         if "kept" in metrics:
@@ -275,7 +283,9 @@ def table1(filter_metrics: Mapping[str, dict], profile: str) -> str:
     lines += _table(["Dataset", "Source", "Examples (paper)", "Valid", "Valid % (ours)", "Valid % (paper)",
                      "Δ", "Rejections (reason: count)"], body)
     if kept:
-        lines += ["", "## SFT set kept from the valid outputs (numeric `Final Answer:` and within the token cap)", ""]
+        lines += ["",
+                  "## SFT set kept from the valid outputs (numeric `Final Answer:` and within the token cap)",
+                  ""]
         lines += _table(["Dataset", "Kept", "Dropped: no numeric answer", "Dropped: over token cap"], kept)
     return "\n".join(lines) + "\n"
 
@@ -298,10 +308,11 @@ def table2(eval_metrics: Mapping[str, Mapping[str, dict]], rows: Mapping[str, st
         delta_rows.append(label + [delta(scores[key][c], ref[c]) for c in columns])
     lines = _header_lines("Table 2 — Main results", profile, [
         "Percentages. Cells: **ours (paper)**. mean@k = accuracy averaged over k samples per problem, "
-        "pass@k = unbiased estimator; temperature 1.0; the paper's cells are mean@16 / pass@16 and MATH mean@1. "
+        "pass@k = unbiased estimator; temperature 1.0; the paper's cells are mean@16 / pass@16 and MATH "
+        "mean@1. "
         "Parallel ratio = share of a model's samples with at least one well-formed `<Parallel>` block, over "
-        "all benchmarks evaluated (the paper's four, plus GSM8K test where it has a column). Path diversity = "
-        "1 − mean pairwise word-level similarity of a block's paths (beyond the paper; 0 = copies). "
+        "all benchmarks evaluated (the paper's four, plus GSM8K test where it has a column). Path diversity "
+        "= 1 − mean pairwise word-level similarity of a block's paths (beyond the paper; 0 = copies). "
         "Avg. = mean of AIME25 mean, AIME24 mean, AMC23 mean and MATH mean@1 (the paper's definition; "
         "its text gives 4.6 for the base model, its table 6.6, which matches its cells).",
         "", _sample_counts(eval_metrics, list(rows.values())),
@@ -312,7 +323,8 @@ def table2(eval_metrics: Mapping[str, Mapping[str, dict]], rows: Mapping[str, st
     return "\n".join(lines) + "\n"
 
 
-def _ablation(title: str, paper_rows: Mapping[str, Mapping[str, float]], eval_metrics: Mapping[str, Mapping[str, dict]],
+def _ablation(title: str, paper_rows: Mapping[str, Mapping[str, float]],
+              eval_metrics: Mapping[str, Mapping[str, dict]],
               rows: Mapping[str, str], profile: str, report: str, note: str = "") -> str:
     """An ablation table: for each paper column, ours | paper | Δ side by side."""
     _check_rows(rows, paper_rows, report)
@@ -373,7 +385,8 @@ def rl_runs(summaries: Mapping[str, Mapping[str, Any]], steps: Mapping[str, Sequ
     body = []
     for run, summary in summaries.items():
         where = f"metrics/rl/{run}/summary.json"
-        if missing := [k for k in ("reward", "variant", "steps", "steps_with_reward_spread") if k not in summary]:
+        if missing := [k for k in ("reward", "variant", "steps",
+                                   "steps_with_reward_spread") if k not in summary]:
             raise PipelineError(f"{where}: missing key(s) {', '.join(missing)}")
         history = steps.get(run, [])
         first, last = (history[0], history[-1]) if history else ({}, {})
@@ -430,7 +443,8 @@ def _check_entries(entries: Any, keys: Sequence[str], where: str) -> None:
             raise PipelineError(f"{where}: entry {index} lacks {', '.join(missing)}")
 
 
-def figure3_parallel_position(steps_by_run: Mapping[str, Sequence[dict]], path: str | Path, *, profile: str) -> None:
+def figure3_parallel_position(steps_by_run: Mapping[str, Sequence[dict]], path: str | Path, *,
+                              profile: str) -> None:
     """Figure 3: relative position of the first `<Parallel>` over RL steps, one line per run.
 
     Steps where no response held a block (position null) are gaps in the line, not zeros.
@@ -474,7 +488,8 @@ def figure4_scaffold(curve: Mapping[str, Any], path: str | Path, paper_peak: flo
     bench = _BENCH_NAMES.get(curve.get("benchmark", "aime25"), curve.get("benchmark"))
     fig = _new_figure(rows=2)
     top, bottom = fig.subplots(2, 1, sharex=True)
-    top.plot(steps, [100 * p["mean_at_k"] for p in points], marker="o", markersize=3, label=f"{bench} mean@{k} (ours)")
+    top.plot(steps, [100 * p["mean_at_k"] for p in points], marker="o", markersize=3,
+             label=f"{bench} mean@{k} (ours)")
     top.axhline(peak, color="gray", linestyle="--", label=f"paper's peak {peak:.1f}%")
     top.set_ylabel(f"{bench} mean@{k} (%)")
     top.set_ylim(bottom=0)

@@ -65,8 +65,8 @@ def collect_curves(params: Mapping[str, Any] | None = None, stage: str = RL_STAG
         raise PipelineError(f"MLflow {uri}: no experiment {name!r} (run the RL stages with tracking on)")
     runs = []
     for schedule in SCHEDULES:
-        query = (f"tags.{tracking.TAG_STAGE} = '{stage}' and tags.{tracking.TAG_REWARD_SCHEDULE} = '{schedule}'"
-                 " and attributes.status = 'FINISHED'")
+        query = (f"tags.{tracking.TAG_STAGE} = '{stage}' and tags.{tracking.TAG_REWARD_SCHEDULE} = "
+                 f"'{schedule}' and attributes.status = 'FINISHED'")
         latest: dict[str, Any] = {}
         for run in client.search_runs([found.experiment_id], filter_string=query,
                                       order_by=["attributes.start_time DESC"]):
@@ -120,7 +120,8 @@ def markdown(runs: list[RunCurves], source: str, plot_name: str = "reward_schedu
         best = [_fmt(max((value for _, value in points), default=None)) for points in run.curves.values()]
         name = f"[{run.name}]({run.url})" if run.url else run.name
         lines.append("| " + " | ".join([SCHEDULES[run.schedule], name, str(steps), *last, *best]) + " |")
-    missing = [label for schedule, label in SCHEDULES.items() if not any(run.schedule == schedule for run in runs)]
+    missing = [label for schedule,
+               label in SCHEDULES.items() if not any(run.schedule == schedule for run in runs)]
     if missing:
         lines += ["", f"No finished runs yet for: {', '.join(missing)}."]
     return "\n".join(lines) + "\n"

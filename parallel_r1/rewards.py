@@ -363,7 +363,8 @@ class RewardFunction:
         truths = _column(kwargs, "ground_truth", len(texts), self.name)
         kinds = _column(kwargs, "answer_kind", len(texts), self.name)
         reward_type = reward_type_at(self.name, self.step_of(kwargs.get("trainer_state")), self.config)
-        correct = [is_correct(t, g, k, self.config.checker) for t, g, k in zip(texts, truths, kinds, strict=True)]
+        correct = [is_correct(t, g, k, self.config.checker)
+                   for t, g, k in zip(texts, truths, kinds, strict=True)]
         parallel = [is_parallel(t) for t in texts]
         rewards = [
             score(reward_type, c, p, PARALLEL_OPEN in t, self.config)

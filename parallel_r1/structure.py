@@ -79,7 +79,8 @@ class TagIds:
                 )
             ids.append(int(encoded[0]))
         if len(set(ids)) != len(ids):
-            raise PipelineError(f"tokenizer {getattr(tokenizer, 'name_or_path', '?')}: tag ids {ids} are not distinct")
+            raise PipelineError(f"tokenizer {getattr(tokenizer, 'name_or_path', '?')}: tag ids {ids} are not "
+                                "distinct")
         return cls(*ids)
 
     def as_tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -203,7 +204,8 @@ def _check_inputs(input_ids, attention_mask) -> torch.Tensor:
         return torch.ones_like(input_ids, dtype=torch.bool)
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
         raise PipelineError(f"build_structure: attention_mask must be [B, L] like input_ids "
-                            f"{tuple(input_ids.shape)}, got {getattr(attention_mask, 'shape', type(attention_mask))}")
+                            f"{tuple(input_ids.shape)}, got "
+                            f"{getattr(attention_mask, 'shape', type(attention_mask))}")
     return attention_mask.to(device=input_ids.device, dtype=torch.bool)
 
 
@@ -269,8 +271,8 @@ def attention_inputs(structure: Structure, attn_implementation: str, dtype: torc
         mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
             ~allowed, torch.finfo(dtype).min)
     else:
-        raise PipelineError(f"structured attention: attn_implementation {attn_implementation!r} cannot take a "
-                            f"custom mask; use one of {', '.join(ATTN_IMPLEMENTATIONS)}")
+        raise PipelineError(f"structured attention: attn_implementation {attn_implementation!r} cannot take "
+                            f"a custom mask; use one of {', '.join(ATTN_IMPLEMENTATIONS)}")
     return {"attention_mask": mask, "position_ids": position_ids}
 
 
@@ -289,7 +291,8 @@ def _model_config(model: torch.nn.Module):
         config = getattr(candidate, "config", None)
         if config is not None:
             return config
-    raise PipelineError(f"structured_forward: {type(model).__name__} has no `.config`; pass attn_implementation")
+    raise PipelineError(f"structured_forward: {type(model).__name__} has no `.config`; pass "
+                        "attn_implementation")
 
 
 def _cached_length(past_key_values) -> int:
@@ -320,7 +323,8 @@ def structured_forward(model: torch.nn.Module, tags: TagIds, structured: bool = 
         mask_2d = kwargs.get("attention_mask")
         if mask_2d is not None and (not isinstance(mask_2d, torch.Tensor) or mask_2d.ndim != 2):
             raise PipelineError("structured_forward: expected a 2D padding attention_mask, got a prepared "
-                                f"{type(mask_2d).__name__} (static caches / compiled generate are not supported)")
+                                f"{type(mask_2d).__name__} (static caches / compiled generate are not "
+                                "supported)")
         cached = _cached_length(kwargs.get("past_key_values"))
         if cached == 0:
             full_ids = input_ids

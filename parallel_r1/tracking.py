@@ -86,7 +86,8 @@ def enabled() -> bool:
     warning, then silence)."""
     switch = os.environ.get(SWITCH_ENV, "on").strip().lower()
     main_process = os.environ.get("RANK", "0").strip() in ("", "0")
-    return switch not in {"off", "0", "false", "no"} and main_process and tracking_uri() not in _STATE.broken_uris
+    return switch not in {"off", "0", "false",
+                          "no"} and main_process and tracking_uri() not in _STATE.broken_uris
 
 
 def project_root() -> Path:
@@ -96,7 +97,8 @@ def project_root() -> Path:
 
 def tracking_uri(params: Mapping[str, Any] | None = None) -> str:
     """env MLFLOW_TRACKING_URI, else params `tracking.tracking_uri`, else the project's sqlite file."""
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or _tracking_section(params).get("tracking_uri") or DEFAULT_URI
+    uri = (os.environ.get("MLFLOW_TRACKING_URI") or _tracking_section(params).get("tracking_uri")
+           or DEFAULT_URI)
     prefix = "sqlite:///"
     if uri.startswith(prefix) and not uri[len(prefix):].startswith("/"):
         uri = prefix + str(project_root() / uri[len(prefix):])
@@ -412,7 +414,8 @@ def _create_run(name: str, params: Mapping[str, Any] | None, tags: Mapping[str, 
         return None
     if uri.startswith(("http://", "https://")) and _guard("reach the server", lambda: _health(uri)) is None:
         return None
-    experiment_id = _guard("open the experiment", lambda: _experiment_id(experiment or experiment_name(params)))
+    experiment_id = _guard("open the experiment",
+                           lambda: _experiment_id(experiment or experiment_name(params)))
     if experiment_id is None:
         return None
     _guard("close orphaned runs", lambda: close_orphaned_runs(name, params, experiment), disable=False)

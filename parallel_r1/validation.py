@@ -48,7 +48,8 @@ Kind = Literal["teacher", "sft", "rl", "eval"]
 KINDS: tuple[str, ...] = ("teacher", "sft", "rl", "eval")
 SOURCES = ("released", "model")
 
-PROBLEM_SCHEMA = {"id": "str", "question": "str", "ground_truth": "str", "answer_kind": "str", "dataset": "str"}
+PROBLEM_SCHEMA = {"id": "str", "question": "str", "ground_truth": "str", "answer_kind": "str",
+                  "dataset": "str"}
 TEACHER_SCHEMA = {**PROBLEM_SCHEMA, "prompt": "str", "completion": "str", "source": "str", "model": "str",
                   "completion_tokens": "int", "truncated": "bool"}
 SCHEMAS = {"rl": PROBLEM_SCHEMA, "eval": PROBLEM_SCHEMA, "teacher": TEACHER_SCHEMA, "sft": TEACHER_SCHEMA}
@@ -60,7 +61,8 @@ FORMAT_CHECK = "format_check"
 FINAL_ANSWER = "final_answer"
 TAG_PAIRS = ((PARALLEL_OPEN, PARALLEL_CLOSE), (PATH_OPEN, PATH_CLOSE), (SUMMARY_OPEN, SUMMARY_CLOSE),
              (PARALLEL_CLOSE, SUMMARY_OPEN))  # balanced tags, and #<Summary> = #</Parallel>
-TAG_COUNTS = {tag: "n_" + tag.strip("</>").lower() + ("_close" if tag.startswith("</") else "_open") for tag in TAGS}
+TAG_COUNTS = {tag: "n_" + tag.strip("</>").lower() + ("_close" if tag.startswith("</") else "_open")
+              for tag in TAGS}
 DERIVED_FROM = {QUESTION_KEY: "question", PROMPT_HAS_QUESTION: "prompt", FORMAT_CHECK: "completion",
                 FINAL_ANSWER: "completion", **{column: "completion" for column in TAG_COUNTS.values()}}
 FORMAT_OK = "ok"
@@ -108,15 +110,18 @@ def derive_columns(frame: pd.DataFrame) -> pd.DataFrame:
     """A copy of `frame` with the helper columns its source columns allow."""
     frame = frame.copy()
     if "question" in frame:
-        frame[QUESTION_KEY] = frame["question"].map(lambda q: " ".join(q.split()) if isinstance(q, str) else None)
+        frame[QUESTION_KEY] = frame["question"].map(
+            lambda q: " ".join(q.split()) if isinstance(q, str) else None)
     if "prompt" in frame and "question" in frame:
         frame[PROMPT_HAS_QUESTION] = [q.strip() in p if isinstance(p, str) and isinstance(q, str) else None
                                       for p, q in zip(frame["prompt"], frame["question"], strict=True)]
     if "completion" in frame:  # null where the completion is not text: only its own checks fail then
         texts = [text if isinstance(text, str) else None for text in frame["completion"]]
         results = [check_format(text) if text is not None else None for text in texts]
-        frame[FORMAT_CHECK] = [None if r is None else FORMAT_OK if r else f"{r.reason}: {r.detail}" for r in results]
-        frame[FINAL_ANSWER] = [None if t is None else extract_final_answer(strip_tags(t)) or "" for t in texts]
+        frame[FORMAT_CHECK] = [None if r is None else FORMAT_OK if r else f"{r.reason}: {r.detail}"
+                               for r in results]
+        frame[FINAL_ANSWER] = [None if t is None else extract_final_answer(strip_tags(t)) or ""
+                               for t in texts]
         for tag, column in TAG_COUNTS.items():
             frame[column] = pd.array([None if t is None else t.count(tag) for t in texts], dtype="Int64")
     return frame
@@ -145,8 +150,10 @@ def _gx():
             ProgressBarsConfig,
         )
 
-        project = DataContextConfig(analytics_enabled=False, store_backend_defaults=InMemoryStoreBackendDefaults(),
-                                    progress_bars=ProgressBarsConfig(globally=False, metric_calculations=False))
+        project = DataContextConfig(analytics_enabled=False,
+                                    store_backend_defaults=InMemoryStoreBackendDefaults(),
+                                    progress_bars=ProgressBarsConfig(globally=False,
+                                                                     metric_calculations=False))
         context = gx.get_context(mode="ephemeral", project_config=project)
         asset = context.data_sources.add_pandas("parallel_r1").add_dataframe_asset("jsonl_rows")
         _BATCH_DEFINITION = asset.add_batch_definition_whole_dataframe("whole_file")
@@ -261,7 +268,8 @@ class ValidationReport:
 
     def status_line(self) -> str:
         skipped = sum(r.status == "skipped" for r in self.results)
-        return (f"{self.name} [{self.kind}]: {self.rows} rows, {self.passed}/{len(self.results)} expectations passed"
+        return (f"{self.name} [{self.kind}]: {self.rows} rows, {self.passed}/{len(self.results)} "
+                "expectations passed"
                 + (f", {len(self.warnings)} warning(s)" if self.warnings else "")
                 + (f", {skipped} skipped (missing columns)" if skipped else "")
                 + (" — PASS" if self.success else " — FAIL"))
@@ -329,7 +337,8 @@ def _outcome(result, frame: pd.DataFrame, config: ValidationConfig) -> Expectati
     return ExpectationOutcome(
         expectation=expectation.type, columns=_columns_of(expectation), status=status,
         bounds=_bounds_of(expectation), severity=severity,
-        unexpected_count=None if details.get("unexpected_count") is None else int(details["unexpected_count"]),
+        unexpected_count=(None if details.get("unexpected_count") is None
+                          else int(details["unexpected_count"])),
         observed=None if observed is None else _cut(observed, config.max_value_chars),
         offending=offending[: config.max_offending_rows], note=note)
 
@@ -347,7 +356,8 @@ def dataset_statistics(frame: pd.DataFrame) -> dict[str, Any]:
         if column in frame:
             lengths = frame[column].map(lambda v: len(v) if isinstance(v, str) else None).dropna()
             if len(lengths):
-                stats[f"{column}_chars"] = {"min": int(lengths.min()), "mean": round(float(lengths.mean()), 1),
+                stats[f"{column}_chars"] = {"min": int(lengths.min()),
+                                            "mean": round(float(lengths.mean()), 1),
                                             "max": int(lengths.max())}
     if "completion_tokens" in frame:
         tokens = pd.to_numeric(frame["completion_tokens"], errors="coerce").dropna()
@@ -381,7 +391,8 @@ def validate_dataset(rows_or_df: Iterable[dict] | pd.DataFrame, kind: Kind, name
     frame = derive_columns(frame.reset_index(drop=True))
     suite = build_suite(kind, config)
     if frame.empty:
-        empty = ExpectationOutcome("expect_table_row_count_to_be_between", [], "failed", unexpected_count=None,
+        empty = ExpectationOutcome("expect_table_row_count_to_be_between", [], "failed",
+                                   unexpected_count=None,
                                    observed="0", note="empty dataset: no rows to train or evaluate on")
         return ValidationReport(name, kind, 0, False, [empty], {"rows": 0})
     runnable, skipped = [], []
@@ -390,7 +401,8 @@ def validate_dataset(rows_or_df: Iterable[dict] | pd.DataFrame, kind: Kind, name
         if missing and expectation.expectation_type != "expect_column_to_exist":
             sources = ", ".join(sorted({DERIVED_FROM.get(column, column) for column in missing}))
             skipped.append(ExpectationOutcome(expectation.expectation_type, missing, "skipped",
-                                              _bounds_of(expectation), note=f"needs missing column(s) {sources}"))
+                                              _bounds_of(expectation),
+                                              note=f"needs missing column(s) {sources}"))
         else:
             runnable.append(expectation)
     gx = _gx()
@@ -415,8 +427,8 @@ def summary_markdown(reports: list[ValidationReport]) -> str:
         status = "pass" if report.success else "**FAIL**"
         if report.success and report.warnings:
             status = f"pass ({len(report.warnings)} warning(s))"
-        lines.append(f"| {report.name} | {report.kind} | {report.rows} | {report.passed}/{len(report.results)} "
-                     f"| {status} |")
+        lines.append(f"| {report.name} | {report.kind} | {report.rows} | "
+                     f"{report.passed}/{len(report.results)} | {status} |")
     flagged = [r for r in reports if r.failures or r.warnings]
     if flagged:
         lines += ["", "## Failures and warnings", ""]

@@ -42,7 +42,8 @@ def load_params(path: str | os.PathLike = PARAMS_FILE, profile: str | None = Non
     profiles = raw.pop("profiles", {}) or {}
     profile = profile or raw.get("profile")
     if profile not in profiles:
-        raise PipelineError(f"{path} profile: unknown profile {profile!r} (choose from {', '.join(profiles)})")
+        raise PipelineError(f"{path} profile: unknown profile {profile!r} "
+                            f"(choose from {', '.join(profiles)})")
     params = deep_merge(raw, profiles[profile] or {})
     params["profile"] = profile
     _anchor_mirror(params)

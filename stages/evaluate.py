@@ -9,7 +9,8 @@ model's training prompt and rollout mode (parallel forking, structured attention
 Unseen variant), scored by the training reward's answer checker. Writes
 metrics/eval/<model>/<benchmark>.json and the samples to data/samples/<model>/<benchmark>.jsonl.
 Each run is the MLflow run `evaluate@<model>` with metrics `<benchmark>.<metric>` (the
-curve: `scaffold_curve`, one point per step). One process (one engine start) serves all benchmarks of a model: with vLLM a start costs
+curve: `scaffold_curve`, one point per step). One process (one engine start) serves all benchmarks of a model:
+with vLLM a start costs
 minutes on a GPU node and ~70 s on a CPU, so a process per (model, benchmark) would
 multiply that by the number of benchmarks.
 """
@@ -41,7 +42,8 @@ def rollout_mode(model: str) -> tuple[str, bool, bool]:
     record = Path("models") / model / "rollout.json"
     if not record.is_file():
         check_model_dir(record.parent)  # a missing folder says so first
-        raise PipelineError(f"{record}: not found (models/{model} is neither base, sft_* nor written by rl@{model})")
+        raise PipelineError(f"{record}: not found (models/{model} is neither base, sft_* nor written by "
+                            f"rl@{model})")
     mode = read_json(record)
     return mode["prompt"], mode["variant"] == "unseen", bool(mode["parallel"])
 
@@ -54,7 +56,8 @@ def evaluate_folder(model: str, folder: Path, benchmarks: dict[str, int], params
     check_model_dir(folder)
     tokenizer = load_tokenizer(folder)
     rl = params.get("rl", {})
-    config = RolloutConfig(parallel=parallel, structured=structured, temperature=float(settings["temperature"]),
+    config = RolloutConfig(parallel=parallel, structured=structured,
+                           temperature=float(settings["temperature"]),
                            top_p=float(settings["top_p"]), max_tokens=int(settings["max_tokens"]),
                            num_paths=int(rl.get("num_paths", 2)), max_blocks=int(rl.get("max_blocks", 4)),
                            seed=int(params.get("seed", 0)))
@@ -65,15 +68,18 @@ def evaluate_folder(model: str, folder: Path, benchmarks: dict[str, int], params
     results = {}
     try:
         generated = generate_benchmark_samples(engine, tokenizer,
-                                               {name: (problems[name], k) for name, k in benchmarks.items()}, prompt)
+                                               {name: (problems[name], k) for name, k in benchmarks.items()},
+                                               prompt)
         for name, k in benchmarks.items():
             samples = generated[name]
             metrics = summarize(samples, k, model=model, benchmark=name, profile=params["profile"],
                                 checker=checker, tokenizer=tokenizer)
             rows = [sample_to_row(s, checker, tokenizer) for s in samples]
             results[name] = (metrics, rows)
-            print(f"{model} {name}: mean@{k} {metrics['mean_at_k']:.3f}, pass@{k} {metrics['pass_at_k']:.3f}, "
-                  f"parallel {metrics['parallel_ratio']:.2f}, truncated {metrics['truncated']}/{metrics['n_samples']}")
+            print(f"{model} {name}: mean@{k} {metrics['mean_at_k']:.3f}, pass@{k} "
+                  f"{metrics['pass_at_k']:.3f}, "
+                  f"parallel {metrics['parallel_ratio']:.2f}, truncated "
+                  f"{metrics['truncated']}/{metrics['n_samples']}")
     finally:
         engine.close()
     return results
@@ -84,7 +90,8 @@ def benchmark_ks(params: dict) -> dict[str, int]:
     for name, spec in section(params, "evaluate", "benchmarks").items():
         k = spec.get("k") if isinstance(spec, dict) else None
         if not isinstance(k, int) or k < 1:
-            raise PipelineError(f"params.yaml evaluate.benchmarks.{name}.k: must be an integer >= 1, got {k!r}")
+            raise PipelineError(f"params.yaml evaluate.benchmarks.{name}.k: must be an integer >= 1, got "
+                                f"{k!r}")
         ks[name] = k
     return ks
 
@@ -99,7 +106,8 @@ def model_tags(model: str, params: dict) -> dict[str, str | None]:
     """Variant and reward schedule of the model, so MLflow can group evaluations like RL runs."""
     run = params.get("rl_runs", {}).get(model, {})   # a tag only: MLflow grouping, not an output
     prompt, structured, parallel = rollout_mode(model)
-    return {tracking.TAG_VARIANT: "unseen" if structured else "seen", tracking.TAG_REWARD_SCHEDULE: run.get("reward"),
+    return {tracking.TAG_VARIANT: "unseen" if structured else "seen",
+            tracking.TAG_REWARD_SCHEDULE: run.get("reward"),
             "prompt": prompt, "parallel_rollout": str(parallel).lower()}
 
 
@@ -118,11 +126,13 @@ def evaluate_curve(run: str, params: dict) -> None:
     curve = section(params, "scaffold_curve")
     benchmark = curve.get("benchmark", "aime25")
     k = benchmark_ks(params)[benchmark]
-    snapshots = sorted((Path("models") / run / "steps").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    snapshots = sorted((Path("models") / run / "steps").glob("step-*"),
+                       key=lambda p: int(p.name.split("-")[1]))
     if not snapshots:
         raise PipelineError(f"models/{run}/steps: no step snapshots to evaluate (did rl@{run} export them?)")
     points = []
-    with tracking.stage_run(f"{run}_curve", params=params, tags=model_tags(run, params)):  # DVC: scaffold_curve
+    # DVC: scaffold_curve
+    with tracking.stage_run(f"{run}_curve", params=params, tags=model_tags(run, params)):
         for folder in snapshots:
             step = int(folder.name.split("-")[1])
             metrics, _ = evaluate_folder(run, folder, {benchmark: k}, params)[benchmark]

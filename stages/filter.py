@@ -28,7 +28,8 @@ def main() -> None:
     config = from_mapping(FilterConfig, section(params, "filter"), "params.yaml filter")
     datasets = section(params, "generate", "datasets")
     if config.sft_dataset not in datasets:
-        raise PipelineError(f"params.yaml filter.sft_dataset: {config.sft_dataset!r} is not in generate.datasets")
+        raise PipelineError(f"params.yaml filter.sft_dataset: {config.sft_dataset!r} is not in "
+                            "generate.datasets")
     with tracking.stage_run("filter", params=params):
         # Every dataset is read and filtered before anything is written, so a bad file or an empty
         # SFT set leaves all previous outputs as they were instead of half of them replaced.

@@ -53,7 +53,8 @@ def model_rows(name: str, problems: list[dict], gen: dict, seed: int, student_to
     todo = [p for p in problems if p["id"] not in done]
     if done:
         print(f"resuming: {len(done)} outputs already in {partial}, {len(todo)} to go")
-    config = RolloutConfig(parallel=False, max_tokens=int(gen["max_tokens"]), temperature=float(gen["temperature"]),
+    config = RolloutConfig(parallel=False, max_tokens=int(gen["max_tokens"]),
+                           temperature=float(gen["temperature"]),
                            top_p=float(gen["top_p"]), seed=seed)
     engine = make_engine(gen.get("engine", "auto"), teacher, teacher_tokenizer, config,
                          gpu_memory_utilization=gen.get("gpu_memory_utilization"),
@@ -95,7 +96,8 @@ def main(argv: list[str] | None = None) -> None:
         raise PipelineError(f"params.yaml generate.datasets.{name}.source: expected 'model' or 'released', "
                             f"got {spec['source']!r}")
     mirror = section(params, "data").get("mirror_dir")
-    tags = {"source": spec.get("source"), "teacher": gen.get("teacher") if spec.get("source") == "model" else None}
+    tags = {"source": spec.get("source"),
+            "teacher": gen.get("teacher") if spec.get("source") == "model" else None}
     with tracking.stage_run("generate", name, params, tags=tags):
         tokenizer = load_tokenizer(BASE_MODEL)
         if spec.get("source") == "released":

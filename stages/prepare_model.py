@@ -23,7 +23,8 @@ def main() -> None:
     model = section(params, "model")
     tiny = from_mapping(TinyModelConfig, model.get("tiny"), "params.yaml model.tiny")
     with tracking.stage_run("prepare_model", params=params, tags={"base_model": model.get("base")}):
-        path = prepare_base_model(str(section(model, "base")), OUT, dtype=model.get("dtype", "bfloat16"), tiny=tiny)
+        path = prepare_base_model(str(section(model, "base")), OUT, dtype=model.get("dtype", "bfloat16"),
+                                  tiny=tiny)
         tracking.log_model_reference(path)
     print(f"prepared {model['base']} -> {path}")
 

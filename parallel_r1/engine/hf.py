@@ -56,7 +56,8 @@ class TransformersBackend:
 
     def continue_batch(self, requests: Sequence[SegmentRequest]) -> list[SegmentResult]:
         results: list[SegmentResult | None] = [None] * len(requests)
-        order = sorted(range(len(requests)), key=lambda i: (requests[i].structured, len(requests[i].token_ids)))
+        order = sorted(range(len(requests)), key=lambda i: (requests[i].structured,
+                                                            len(requests[i].token_ids)))
         chunks: list[list[int]] = []
         for index in order:
             if requests[index].max_new_tokens <= 0:
@@ -144,8 +145,9 @@ class TransformersBackend:
             sequences = torch.cat([sequences, new[:, None]], dim=1)
             padding = torch.cat([padding, torch.ones_like(new[:, None])], dim=1)
             position = position + 1
-            logits = self.model(input_ids=new[:, None], attention_mask=padding, position_ids=position[:, None],
-                                past_key_values=cache, use_cache=True).logits[:, -1, :]
+            logits = self.model(input_ids=new[:, None], attention_mask=padding,
+                                position_ids=position[:, None], past_key_values=cache,
+                                use_cache=True).logits[:, -1, :]
         return [SegmentResult(t, lp, s) for t, lp, s in zip(tokens, logprobs, stopped, strict=True)]
 
     def _sample(self, logits: torch.Tensor, sequences: torch.Tensor, requests: Sequence[SegmentRequest],

@@ -89,7 +89,8 @@ def default_eos_ids(tokenizer, generation_eos: int | Sequence[int] | None = None
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     ids.update([generation_eos] if isinstance(generation_eos, int) else (generation_eos or []))
     if not ids:
-        raise PipelineError(f"tokenizer {getattr(tokenizer, 'name_or_path', '?')}: no EOS token to stop generation")
+        raise PipelineError(f"tokenizer {getattr(tokenizer, 'name_or_path', '?')}: no EOS token to stop "
+                            "generation")
     return frozenset(ids)
 
 

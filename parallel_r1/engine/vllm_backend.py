@@ -72,7 +72,8 @@ class VLLMBackend:
             try:
                 self.llm = vllm.LLM(**options)
             except (OSError, ValueError) as err:
-                raise PipelineError(f"{model_path}: vLLM cannot load the model ({str(err).splitlines()[0]})") from None
+                first_line = str(err).splitlines()[0]
+                raise PipelineError(f"{model_path}: vLLM cannot load the model ({first_line})") from None
             finally:
                 if previous is None:
                     os.environ.pop(_MULTIPROCESSING, None)
@@ -92,8 +93,10 @@ class VLLMBackend:
         from vllm import SamplingParams
 
         if any(r.structured for r in requests) and not self._warned_structured:
-            warnings.warn("vLLM decodes summaries with causal attention: Unseen inference differs from Unseen "
-                          "training (use the transformers engine for exact structured decoding)", stacklevel=2)
+            warnings.warn("vLLM decodes summaries with causal attention: Unseen inference differs from "
+                          "Unseen "
+                          "training (use the transformers engine for exact structured decoding)",
+                          stacklevel=2)
             self._warned_structured = True
         results: list[SegmentResult] = [SegmentResult([], [], False)] * len(requests)
         runnable = [i for i, r in enumerate(requests)
@@ -134,10 +137,10 @@ class VLLMBackend:
         except Exception as err:  # vLLM raises AttributeError, AssertionError, TypeError... from its loaders
             cause = str(err).splitlines()[0] if str(err) else type(err).__name__
             if "serializ" in cause:
-                raise PipelineError("vLLM weight sync: the engine runs in worker processes and vLLM refuses to send "
-                                    "them code; create the backend with in_process=True") from None
-            raise PipelineError(f"vLLM weight sync is unsupported on this vLLM build ({type(err).__name__}: {cause}); "
-                                "use the transformers engine for GRPO") from None
+                raise PipelineError("vLLM weight sync: the engine runs in worker processes and vLLM refuses "
+                                    "to send them code; create the backend with in_process=True") from None
+            raise PipelineError(f"vLLM weight sync is unsupported on this vLLM build ({type(err).__name__}: "
+                                f"{cause}); use the transformers engine for GRPO") from None
         self.llm.reset_prefix_cache()
 
     def sync_weights(self, model) -> None:

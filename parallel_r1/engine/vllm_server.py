@@ -48,9 +48,11 @@ class VLLMServerBackend:
         if request.max_new_tokens <= 0:
             return SegmentResult([], [], False)
         payload = {"model": self.client.model, "prompt": [list(request.token_ids)], "n": 1,
-                   "temperature": request.temperature, "top_p": request.top_p, "max_tokens": request.max_new_tokens,
+                   "temperature": request.temperature, "top_p": request.top_p,
+                   "max_tokens": request.max_new_tokens,
                    "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
-                   "stop_token_ids": sorted(request.stop_ids), "seed": request.seed, "skip_special_tokens": False}
+                   "stop_token_ids": sorted(request.stop_ids), "seed": request.seed,
+                   "skip_special_tokens": False}
         if request.banned_ids:
             payload["logit_bias"] = {str(t): BAN_BIAS for t in request.banned_ids}
         try:
@@ -59,7 +61,8 @@ class VLLMServerBackend:
             (values,), (ids,) = parse_logprobs([choice["logprobs"]])
         except Exception as err:  # requests/HTTP errors arrive as bare Exceptions from VLLMClient
             raise PipelineError(f"vLLM server {self.client.base_url}: {str(err).splitlines()[0]}") from None
-        logprobs = [row[row_ids.index(token)] for row, row_ids, token in zip(values, ids, tokens, strict=True)]
+        logprobs = [row[row_ids.index(token)]
+                    for row, row_ids, token in zip(values, ids, tokens, strict=True)]
         # "stop": a stop id or the model's EOS; "length": max_tokens or the server's max_model_len.
         return SegmentResult(tokens, logprobs, choice.get("finish_reason") == "stop")
 

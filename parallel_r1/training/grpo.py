@@ -140,7 +140,8 @@ class RLOptions:
             raise PipelineError(f"params.yaml rl_runs.{run}: expected a mapping, got {run_entry!r}")
         unknown = sorted(set(run_entry) - set(RUN_KEYS))
         if unknown:
-            raise PipelineError(f"params.yaml rl_runs.{run}: unknown key {unknown[0]!r} (known: {', '.join(RUN_KEYS)})")
+            raise PipelineError(f"params.yaml rl_runs.{run}: unknown key {unknown[0]!r} (known: "
+                                f"{', '.join(RUN_KEYS)})")
         dataset = run_entry.get("dataset")
         datasets = dict(rl or {}).get("datasets") or {}
         if dataset not in datasets:
@@ -164,8 +165,10 @@ class RLOptions:
     def __post_init__(self) -> None:
         mini = self.mini_batch_size
         if mini is not None and (mini > self.batch_size or self.batch_size % mini):
-            raise PipelineError(f"params.yaml rl_datasets.{self.dataset}.mini_batch_size: {mini} does not divide "
-                                f"batch_size {self.batch_size} (updates per step = batch_size / mini_batch_size)")
+            raise PipelineError(f"params.yaml rl_datasets.{self.dataset}.mini_batch_size: {mini} does not "
+                                "divide "
+                                f"batch_size {self.batch_size} (updates per step = batch_size / "
+                                "mini_batch_size)")
 
     @property
     def structured(self) -> bool:
@@ -211,13 +214,13 @@ def batch_layout(options: RLOptions, processes: int = 1) -> BatchLayout:
     per_update = completions // updates
     if per_update % processes:
         size = "mini_batch_size" if updates > 1 else "batch_size"
-        raise PipelineError(f"params.yaml rl_datasets.{options.dataset}: {size} x num_generations = {per_update} "
-                            f"completions do not split over {processes} processes")
+        raise PipelineError(f"params.yaml rl_datasets.{options.dataset}: {size} x num_generations = "
+                            f"{per_update} completions do not split over {processes} processes")
     per_process = per_update // processes
     micro = min(options.per_device_batch_size, per_process)  # a micro-batch cannot exceed a process's share
     if per_process % micro:
-        raise PipelineError(f"params.yaml rl.per_device_batch_size: {micro} does not divide the {per_process} "
-                            f"completions each of {processes} process(es) gets per update")
+        raise PipelineError(f"params.yaml rl.per_device_batch_size: {micro} does not divide the "
+                            f"{per_process} completions each of {processes} process(es) gets per update")
     accumulation = per_process // micro
     return BatchLayout(micro, accumulation, accumulation * updates, completions)
 
@@ -277,7 +280,8 @@ def grpo_config(options: RLOptions, output_dir: str | os.PathLike, report_to: st
         top_p=options.top_p,
         max_completion_length=options.max_completion_tokens,
         **trainer_arguments(save_steps=options.save_steps * options.updates_per_step, seed=options.seed,
-                            report_to=report_to, bf16=bf16, gradient_checkpointing=options.gradient_checkpointing),
+                            report_to=report_to, bf16=bf16,
+                            gradient_checkpointing=options.gradient_checkpointing),
         **vllm,
     )
 
@@ -300,7 +304,8 @@ def rl_dataset(rows: Sequence[Mapping[str, Any]], tokenizer, style: str, max_pro
             if not isinstance(row.get(name), str) or not row[name].strip():
                 raise PipelineError(f"{where} row {index} (id {row.get('id', '?')}): field {name} must be a "
                                     "non-empty string")
-        length = len(tokenizer(render_prompt(tokenizer, row["question"], style), add_special_tokens=False)["input_ids"])
+        length = len(tokenizer(render_prompt(tokenizer, row["question"], style),
+                               add_special_tokens=False)["input_ids"])
         if length > max_prompt_tokens:
             dropped += 1
             continue
@@ -393,11 +398,14 @@ def train_rl(options: RLOptions, init_dir: str | os.PathLike, rows: Sequence[Map
     init_dir, out_dir, checkpoint_dir = Path(init_dir), Path(out_dir), Path(checkpoint_dir)
     check_model_dir(init_dir)
     reward_config = reward_config or RewardConfig()
-    model, tokenizer = load_model(init_dir, "float32", attn_implementation="sdpa")  # fp32 masters: training/memory.py
-    colocated = options.vllm_gpu_memory_utilization if engine == "vllm" and options.vllm_mode == "colocate" else 0.0
+    # fp32 masters: training/memory.py
+    model, tokenizer = load_model(init_dir, "float32", attn_implementation="sdpa")
+    colocate = engine == "vllm" and options.vllm_mode == "colocate"
+    colocated = options.vllm_gpu_memory_utilization if colocate else 0.0
     check_training_memory(model, colocated, f"rl@{options.run}")
     dataset, dropped = rl_dataset(rows, tokenizer, options.prompt, options.max_prompt_tokens, where)
-    resumed_from = resume_point(checkpoint_dir, _fingerprint(options, dataset, init_dir, reward_config), state)
+    resumed_from = resume_point(checkpoint_dir, _fingerprint(options, dataset, init_dir, reward_config),
+                                state)
     config = grpo_config(options, checkpoint_dir, report_to, processes=state.num_processes,
                          bf16=torch.cuda.is_available() and dtype == "bfloat16")
     snapshot_dir = checkpoint_dir / SNAPSHOTS if options.snapshots else None
@@ -454,7 +462,8 @@ def rollout_function_for(options: RLOptions, engine: str, tokenizer, first_step:
     The engine's sampler seeds follow `seed` and the step the run starts from, so a resumed run
     draws fresh random streams instead of replaying those of its first steps.
     """
-    config = RolloutConfig(parallel=options.parallel, num_paths=options.num_paths, max_blocks=options.max_blocks,
+    config = RolloutConfig(parallel=options.parallel, num_paths=options.num_paths,
+                           max_blocks=options.max_blocks,
                            max_tokens=options.max_completion_tokens, temperature=options.temperature,
                            top_p=options.top_p, structured=options.structured,
                            seed=options.seed + 1_000_003 * first_step)

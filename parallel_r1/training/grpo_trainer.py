@@ -94,12 +94,15 @@ class ParallelGRPOTrainer(GRPOTrainer):
             if diversity is not None:  # paths collapsing into copies under RL (DPT) shows here
                 self._log_metric("path_diversity", diversity)
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args,
+                                           **kwargs):
         if not self.structured:
-            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask,
+                                                              logits_to_keep,
                                                               *args, **kwargs)
         with structured_forward(model, self.tags) as stats:
-            result = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+            result = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask,
+                                                                logits_to_keep,
                                                                 *args, **kwargs)
         mode = "train" if self.model.training else "eval"
         self._metrics[mode]["structure/broken_blocks"].append(float(stats.broken_blocks))

@@ -25,13 +25,15 @@ def check_replicated_fits(parameters: int, device_bytes: int, reserved_share: fl
     need = BYTES_PER_PARAMETER * parameters
     free = device_bytes * (1.0 - reserved_share)
     if need > free:
-        raise PipelineError(f"{where}: replicated training (DDP or one GPU) keeps {need / 2**30:.0f} GiB of float32 "
-                            f"weights, gradients and AdamW state per GPU, more than the {free / 2**30:.0f} GiB it "
-                            "can use; launch with configs/fsdp.yaml or configs/zero3.yaml (sharded)")
+        raise PipelineError(f"{where}: replicated training (DDP or one GPU) keeps {need / 2**30:.0f} GiB of "
+                            "float32 "
+                            f"weights, gradients and AdamW state per GPU, more than the {free / 2**30:.0f} "
+                            "GiB it can use; launch with configs/fsdp.yaml or configs/zero3.yaml (sharded)")
 
 
 def check_training_memory(model, reserved_share: float, where: str) -> None:
-    """`check_replicated_fits` for `model` on this process's GPU, unless FSDP / ZeRO-3 shard it (or no CUDA)."""
+    """`check_replicated_fits` for `model` on this process's GPU, unless FSDP / ZeRO-3 shard it (or no
+    CUDA)."""
     import torch
     from accelerate import PartialState
 

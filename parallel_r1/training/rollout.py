@@ -44,8 +44,8 @@ def render_prompt_ids(prompts: Sequence, tokenizer, style: PromptStyle = "parall
         elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m for m in prompt):
             text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
         else:
-            raise PipelineError(f"rollout prompt {index}: expected a question string or a list of chat messages, "
-                                f"got {type(prompt).__name__}")
+            raise PipelineError(f"rollout prompt {index}: expected a question string or a list of chat "
+                                f"messages, got {type(prompt).__name__}")
         rendered.append(tokenizer(text, add_special_tokens=False)["input_ids"])
     return rendered
 
@@ -64,8 +64,8 @@ def engine_for_trainer(kind: Literal["transformers", "vllm"], tokenizer, config:
             return transformers_engine(trainer.model, tokenizer, seeded, **backend_options)
         generation = getattr(trainer, "vllm_generation", None)
         if generation is None:
-            raise PipelineError("GRPO rollout engine 'vllm': set use_vllm=True in the GRPO config (TRL creates "
-                                "the vLLM engine and keeps its weights in sync)")
+            raise PipelineError("GRPO rollout engine 'vllm': set use_vllm=True in the GRPO config (TRL "
+                                "creates the vLLM engine and keeps its weights in sync)")
         if generation.mode == "colocate":
             from parallel_r1.engine.vllm_backend import VLLMBackend
 
@@ -80,7 +80,8 @@ def engine_for_trainer(kind: Literal["transformers", "vllm"], tokenizer, config:
     return factory
 
 
-def make_rollout_func(engine_factory: EngineFactory, tokenizer, prompt_style: PromptStyle = "parallel") -> RolloutFunc:
+def make_rollout_func(engine_factory: EngineFactory, tokenizer,
+                      prompt_style: PromptStyle = "parallel") -> RolloutFunc:
     """TRL `rollout_func(prompts, trainer)`: one rollout per received prompt (TRL already repeated
     each prompt `trainer.num_generations` times); the engine is built on the first call."""
     engines: list[RolloutEngine] = []

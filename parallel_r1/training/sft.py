@@ -89,7 +89,8 @@ class SFTOptions:
 
     def __post_init__(self) -> None:
         if self.warmup_ratio >= 1:
-            raise PipelineError(f"params.yaml sft.warmup_ratio: must be < 1 (a share of the steps), got {self.warmup_ratio}")
+            raise PipelineError("params.yaml sft.warmup_ratio: must be < 1 (a share of the steps), got "
+                                f"{self.warmup_ratio}")
 
     @classmethod
     def from_params(cls, sft: Mapping[str, Any], variant: str, seed: int = 0,
@@ -119,7 +120,8 @@ class SFTOptions:
         per_update = self.per_device_batch_size * processes
         if self.batch_size % per_update:
             raise PipelineError(f"params.yaml sft.batch_size: {self.batch_size} is not a multiple of "
-                                f"per_device_batch_size {self.per_device_batch_size} x {processes} process(es)")
+                                f"per_device_batch_size {self.per_device_batch_size} x {processes} "
+                                "process(es)")
         return self.batch_size // per_update
 
 
@@ -129,7 +131,8 @@ def end_of_turn(tokenizer) -> str:
 
 
 def sft_dataset(rows: Sequence[Mapping[str, Any]], tokenizer, where: str = "SFT data"):
-    """TRL prompt-completion dataset: rendered Parallel Thinking prompt -> teacher completion + end of turn."""
+    """TRL prompt-completion dataset: rendered Parallel Thinking prompt -> teacher completion + end of
+    turn."""
     from datasets import Dataset
 
     if not rows:
@@ -140,7 +143,8 @@ def sft_dataset(rows: Sequence[Mapping[str, Any]], tokenizer, where: str = "SFT 
         question, completion = row.get("question"), row.get("completion")
         for name, value in (("question", question), ("completion", completion)):
             if not isinstance(value, str) or not value.strip():
-                raise PipelineError(f"{where} row {index} (id {row.get('id', '?')}): field {name} must be a non-empty string")
+                raise PipelineError(f"{where} row {index} (id {row.get('id', '?')}): field {name} must be a "
+                                    "non-empty string")
         prompts.append(render_prompt(tokenizer, question))
         completions.append(completion if completion.endswith(end) else completion + end)
     return Dataset.from_dict({"prompt": prompts, "completion": completions})
@@ -194,7 +198,8 @@ def install_structured_attention(model: torch.nn.Module, attn_implementation: st
     return model.register_forward_pre_hook(apply_structure, with_kwargs=True)
 
 
-def sft_config(options: SFTOptions, output_dir: str | os.PathLike, eos_token: str, report_to: str | list[str] = "none",
+def sft_config(options: SFTOptions, output_dir: str | os.PathLike, eos_token: str,
+               report_to: str | list[str] = "none",
                bf16: bool = False, processes: int = 1):
     """TRL SFTConfig for `options`: completion-only loss, per-step logs, checkpoints every save_steps."""
     from trl import SFTConfig
@@ -245,12 +250,14 @@ def _fingerprint(options: SFTOptions, dataset, base_dir: Path) -> dict:
 
 
 def make_trainer(options: SFTOptions, model, tokenizer, dataset, output_dir: str | os.PathLike, *,
-                 bf16: bool = False, report_to: str | list[str] = "none", processes: int = 1, callbacks: Iterable = ()):
+                 bf16: bool = False, report_to: str | list[str] = "none", processes: int = 1,
+                 callbacks: Iterable = ()):
     """SFTTrainer for `options` over a `sft_dataset`; Unseen gets its collator and the mask hook."""
     from trl import SFTTrainer
 
     tags = TagIds.from_tokenizer(tokenizer) if options.structured else None
-    config = sft_config(options, output_dir, end_of_turn(tokenizer), report_to, bf16=bf16, processes=processes)
+    config = sft_config(options, output_dir, end_of_turn(tokenizer), report_to, bf16=bf16,
+                        processes=processes)
     collator = ParallelSFTCollator(tokenizer.pad_token_id, tags, config.pad_to_multiple_of)
     trainer = SFTTrainer(model=model, args=config, data_collator=collator, train_dataset=dataset,
                          processing_class=tokenizer, callbacks=list(callbacks))
@@ -261,7 +268,8 @@ def make_trainer(options: SFTOptions, model, tokenizer, dataset, output_dir: str
 
 def train_sft(options: SFTOptions, base_dir: str | os.PathLike, rows: Sequence[Mapping[str, Any]],
               out_dir: str | os.PathLike, checkpoint_dir: str | os.PathLike, *, dtype: str = "float32",
-              report_to: str | list[str] = "none", where: str = "SFT data", callbacks: Iterable = ()) -> SFTResult:
+              report_to: str | list[str] = "none", where: str = "SFT data",
+              callbacks: Iterable = ()) -> SFTResult:
     """Fine-tune the model in `base_dir` on `rows` (teacher-output records) and save it to `out_dir`.
 
     Weights stay float32 (the optimizer's master copy); on a GPU with `dtype` bfloat16 the
@@ -277,7 +285,8 @@ def train_sft(options: SFTOptions, base_dir: str | os.PathLike, rows: Sequence[M
     dataset = sft_dataset(rows, tokenizer, where)
     resumed_from = resume_point(checkpoint_dir, _fingerprint(options, dataset, base_dir), state)
     trainer = make_trainer(options, model, tokenizer, dataset, checkpoint_dir, report_to=report_to,
-                           bf16=torch.cuda.is_available() and dtype == "bfloat16", processes=state.num_processes,
+                           bf16=torch.cuda.is_available() and dtype == "bfloat16",
+                           processes=state.num_processes,
                            callbacks=callbacks)
     trainer.train(resume_from_checkpoint=resumed_from)
 
@@ -293,7 +302,8 @@ def train_sft(options: SFTOptions, base_dir: str | os.PathLike, rows: Sequence[M
         shutil.rmtree(checkpoint_dir, ignore_errors=True)
     state.wait_for_everyone()
 
-    history = [{"step": e["step"], "loss": e["loss"], "lr": e.get("learning_rate"), "grad_norm": e.get("grad_norm")}
+    history = [{"step": e["step"], "loss": e["loss"], "lr": e.get("learning_rate"),
+                "grad_norm": e.get("grad_norm")}
                for e in trainer.state.log_history if "loss" in e]
     token_logs = [e["num_tokens"] for e in trainer.state.log_history if "num_tokens" in e]
     labels = trainer.train_dataset["labels"]
