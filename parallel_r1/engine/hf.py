@@ -18,7 +18,7 @@ a request's tokens do not depend on which others share its batch.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Sequence, cast
 
 import torch
 
@@ -76,7 +76,7 @@ class TransformersBackend:
                         results[index] = result
         finally:
             self.model.train(was_training)
-        return results
+        return cast(list[SegmentResult], results)  # every index was filled: empty requests or a chunk
 
     def sync_weights(self, model) -> None:
         """Nothing to copy when generating with the trained model object itself (the GRPO case)."""

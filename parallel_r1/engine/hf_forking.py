@@ -143,7 +143,7 @@ class ForkingTransformersBackend(TransformersBackend):
     def close(self) -> None:
         self._kept.clear()
         self._queue.clear()
-        self._pool = None
+        self._pool.keep([])  # drop every row and its KV
         super().close()
 
     # ------------------------------------------------------------------ one step
@@ -193,8 +193,9 @@ class ForkingTransformersBackend(TransformersBackend):
         return logits
 
     def _sample_and_retire(self, logits: torch.Tensor) -> list[tuple[int, SegmentResult]]:
-        rows = self._pool.rows
-        new, new_logprobs = self._sample(logits, self._pool.batch.token_ids, [row.request for row in rows],
+        rows, batch = self._pool.rows, self._pool.batch
+        assert batch is not None  # the rows were just decoded
+        new, new_logprobs = self._sample(logits, batch.token_ids, [row.request for row in rows],
                                          [row.generator for row in rows])
         finished, keep = [], []
         for index, row in enumerate(rows):
@@ -204,7 +205,7 @@ class ForkingTransformersBackend(TransformersBackend):
             stopped = token in row.request.stop_ids
             if stopped or len(row.tokens) >= row.request.max_new_tokens:
                 if row.request.kv_key is not None:
-                    self._kept[row.request.kv_key] = self._pool.batch.row(index)
+                    self._kept[row.request.kv_key] = batch.row(index)
                 finished.append((row.ticket, SegmentResult(row.tokens, row.logprobs, stopped)))
             else:
                 row.pending = token
@@ -344,9 +345,11 @@ class ForkingTransformersBackend(TransformersBackend):
             for row, item in enumerate(items):
                 offset = width - len(item.token_ids)
                 if offset < cached:
+                    reused = item.reused
+                    assert reused is not None  # a row starting inside the cached columns reuses them
                     for layer in range(layers):
-                        keys[layer][row, :, offset:cached] = item.reused.keys[layer][:, :cached - offset]
-                        values[layer][row, :, offset:cached] = item.reused.values[layer][:, :cached - offset]
+                        keys[layer][row, :, offset:cached] = reused.keys[layer][:, :cached - offset]
+                        values[layer][row, :, offset:cached] = reused.values[layer][:, :cached - offset]
         cache = cache_over(self.model.config, keys, values)
         self.stats.encoded += sum(item.new for item in items)
         self.stats.reused += sum(len(item.reused) for item in items if item.reused is not None)

@@ -19,6 +19,7 @@ attends to all of its own real columns (a path row holds only the context and it
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -124,7 +125,7 @@ class DecodePool:
         self.model = model
         self.pad_token_id = pad_token_id
         self.rows: list[PoolRow] = []
-        self.cache = None  # DynamicCache over self.batch's keys/values
+        self.cache: Any = None  # transformers DynamicCache over self.batch's keys/values
         self.batch: Batch | None = None
 
     def __len__(self) -> int:
@@ -152,17 +153,20 @@ class DecodePool:
         if not indices:
             self.batch = self.cache = None
             return
-        index = torch.tensor(indices, device=self.batch.valid.device)
-        valid = self.batch.valid[index]
+        batch = self.batch
+        assert batch is not None  # the pool had rows
+        index = torch.tensor(indices, device=batch.valid.device)
+        valid = batch.valid[index]
         first = int(valid.any(dim=0).long().argmax())
         pick = (lambda t: t[index, :, first:]) if first else (lambda t: t[index])
         cols = (lambda t: t[index, first:]) if first else (lambda t: t[index])
-        self._set(Batch([pick(k) for k in self.batch.keys], [pick(v) for v in self.batch.values],
-                        *(cols(getattr(self.batch, name)) for name in _COLUMN_DATA)))
+        self._set(Batch([pick(k) for k in batch.keys], [pick(v) for v in batch.values],
+                        *(cols(getattr(batch, name)) for name in _COLUMN_DATA)))
 
     def decode(self, new_ids: torch.Tensor) -> torch.Tensor:
         """Feed every row's pending token (ids `new_ids` for the new columns); the next logits [B, V]."""
         batch = self.batch
+        assert batch is not None  # decode is called on a pool with rows
         device = batch.valid.device
         pending = torch.tensor([row.pending for row in self.rows], device=device)
         position = torch.tensor([row.next_position for row in self.rows], device=device)

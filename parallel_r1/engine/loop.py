@@ -36,9 +36,18 @@ import hashlib
 import itertools
 import random
 from dataclasses import dataclass, field
-from typing import Hashable, Iterable, Sequence
+from typing import Hashable, Iterable, Sequence, cast
 
-from parallel_r1.engine.base import Backend, KVSpan, Rollout, RolloutConfig, SegmentRequest, SegmentResult
+from parallel_r1.engine.base import (
+    Backend,
+    FinishReason,
+    KVSpan,
+    Rollout,
+    RolloutConfig,
+    SegmentRequest,
+    SegmentResult,
+    StreamingBackend,
+)
 from parallel_r1.errors import PipelineError
 from parallel_r1.structure import TagIds
 
@@ -59,7 +68,7 @@ class _State:
     path_budget: int = 0  # new tokens each path request may sample
     summary_budget: int = 0
     truncated: bool = False
-    finish_reason: str = "stop"
+    finish_reason: FinishReason = "stop"
     index: int = 0  # rollout number within its `generate` call
     segments: int = 0  # requests issued so far (seeds and KV keys derive from it)
     waiting: list[SegmentResult | None] = field(default_factory=list)  # the in-flight segments' results
@@ -80,7 +89,7 @@ class _State:
         self.logprobs.extend([0.0] * len(tokens))
         self.env_mask.extend([0] * len(tokens))
 
-    def finish(self, reason: str) -> None:
+    def finish(self, reason: FinishReason) -> None:
         self.phase, self.finish_reason, self.truncated = DONE, reason, reason == "length"
 
 
@@ -126,7 +135,10 @@ class RolloutEngine:
         prompts = [tuple(int(t) for t in ids) for ids in prompt_ids for _ in range(num_generations)]
         states = [_State(prompt, index=index) for index, prompt in enumerate(prompts)]
         self._call_seed = self._seeds.getrandbits(63)
-        scheduler = self.backend if hasattr(self.backend, "step") else _RoundBarrier(self.backend)
+        # a backend with `step` streams (StreamingBackend); a batch-only one is driven in rounds
+        scheduler: StreamingBackend | _RoundBarrier = (cast(StreamingBackend, self.backend)
+                                                       if hasattr(self.backend, "step")
+                                                       else _RoundBarrier(self.backend))
         in_flight: dict[int, tuple[_State, int]] = {}
 
         def submit(state: _State) -> None:
@@ -145,8 +157,9 @@ class RolloutEngine:
                 state, slot = in_flight.pop(ticket)
                 state.waiting[slot] = result
                 state.kept.append(self._key(state, state.segments - 1, slot))
-                if all(r is not None for r in state.waiting):
-                    self._advance(state, state.waiting)
+                done = [r for r in state.waiting if r is not None]
+                if len(done) == len(state.waiting):
+                    self._advance(state, done)
                     submit(state)
         return [self._rollout(state) for state in states]
 
@@ -180,7 +193,7 @@ class RolloutEngine:
         length = len(state.prompt_ids) + len(state.completion)
         context = (KVSpan(state.context_key, 0, length),) if state.context_key is not None else ()
         if state.phase == MAIN:
-            stop, banned = set(self.eos_ids), frozenset()
+            stop, banned = set(self.eos_ids), frozenset[int]()
             if self.config.parallel:
                 if state.num_blocks < self.config.max_blocks:
                     stop.add(self.tags.parallel_open)
@@ -203,7 +216,7 @@ class RolloutEngine:
         return requests
 
     def _advance(self, state: _State, results: list[SegmentResult]) -> None:
-        keys = [self._key(state, state.segments - 1, slot) for slot in range(len(results))]
+        keys: list[Hashable] = [self._key(state, state.segments - 1, slot) for slot in range(len(results))]
         if state.phase == MAIN:
             state.context_key = keys[0]
             self._after_main(state, results[0])

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from parallel_r1.engine.base import SegmentRequest, SegmentResult
 from parallel_r1.errors import PipelineError
@@ -117,7 +117,7 @@ class VLLMBackend:
             results[index] = SegmentResult(tokens, logprobs, completion.finish_reason == "stop")
         return results
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, object]]) -> None:
+    def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         """Copy trained weights into vLLM's model (GRPO weight sync), then drop the stale prefix cache.
 
         Reaches the model directly when the engine runs in this process (`in_process=True`, or
@@ -130,8 +130,9 @@ class VLLMBackend:
         executor = getattr(self.llm.llm_engine, "model_executor", None)
         runner = getattr(getattr(executor, "driver_worker", None), "model_runner", None)
         try:
-            if getattr(runner, "model", None) is not None:
-                runner.model.load_weights(weights)
+            model = getattr(runner, "model", None)
+            if model is not None:
+                model.load_weights(weights)
             else:
                 self.llm.apply_model(lambda model: model.load_weights(weights) and None)
         except Exception as err:  # vLLM raises AttributeError, AssertionError, TypeError... from its loaders

@@ -58,7 +58,10 @@ class VLLMServerBackend:
         try:
             (choice,) = self.client._post(f"{self.client.base_url}/v1/completions", json=payload)["choices"]
             tokens = list(choice["token_ids"])
-            (values,), (ids,) = parse_logprobs([choice["logprobs"]])
+            all_values, all_ids = parse_logprobs([choice["logprobs"]])
+            if all_values is None or all_ids is None:
+                raise ValueError("the reply has no logprobs")
+            (values,), (ids,) = all_values, all_ids
         except Exception as err:  # requests/HTTP errors arrive as bare Exceptions from VLLMClient
             raise PipelineError(f"vLLM server {self.client.base_url}: {str(err).splitlines()[0]}") from None
         logprobs = [row[row_ids.index(token)]
