@@ -10,11 +10,14 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from typing import Any, Mapping, TypeVar
+from typing import TYPE_CHECKING, Any, Mapping, TypeVar
 
 from parallel_r1.errors import PipelineError
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 
 
 def _accepts(annotation: Any, value: Any) -> bool:

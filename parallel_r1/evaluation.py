@@ -26,11 +26,14 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from parallel_r1 import format as fmt
 from parallel_r1.errors import PipelineError
 from parallel_r1.rewards import is_correct
+
+if TYPE_CHECKING:
+    from parallel_r1.prompts import PromptStyle
 
 METRIC_KEYS = (
     "model", "benchmark", "profile", "k", "n_problems", "n_samples", "mean_at_k", "pass_at_k",
@@ -196,7 +199,7 @@ def summarize(
 
 
 def generate_samples(engine, tokenizer, problems: Sequence[Mapping[str, Any]], k: int,
-                     prompt_style: str = "parallel") -> list[Sample]:
+                     prompt_style: PromptStyle = "parallel") -> list[Sample]:
     """k responses per problem from a rollout engine, with the same prompt as training."""
     return generate_benchmark_samples(engine, tokenizer, {"benchmark": (problems, k)},
                                       prompt_style)["benchmark"]
@@ -204,7 +207,7 @@ def generate_samples(engine, tokenizer, problems: Sequence[Mapping[str, Any]], k
 
 def generate_benchmark_samples(engine, tokenizer,
                                benchmarks: Mapping[str, tuple[Sequence[Mapping[str, Any]], int]],
-                               prompt_style: str = "parallel") -> dict[str, list[Sample]]:
+                               prompt_style: PromptStyle = "parallel") -> dict[str, list[Sample]]:
     """{benchmark: samples} for {benchmark: (problems, k)}, every benchmark in ONE engine call.
 
     Why one call: the engine decodes its rollouts side by side, so a small benchmark (2 AIME

@@ -220,7 +220,8 @@ class FormatStats:
         if result.ok:
             self.valid += 1
         else:
-            self.reasons[result.reason] = self.reasons.get(result.reason, 0) + 1
+            reason = str(result.reason)  # a failed check always names its reason
+            self.reasons[reason] = self.reasons.get(reason, 0) + 1
 
     @property
     def valid_pct(self) -> float:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -101,7 +102,7 @@ def build_tiny_model(tokenizer, config: TinyModelConfig = TinyModelConfig()):
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
+        dtype="float32",
     )
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(config.seed)
@@ -173,7 +174,8 @@ def _load_pretrained(source: str, dtype: str):
             raise PipelineError(f"{gguf}: cannot read the GGUF model ({str(err).splitlines()[0]})") from None
         # The tensors are already dequantised to `dtype`; transformers still marks the model as
         # GGUF-quantized and refuses to save it, so drop that mark the way its quantizers do.
-        model.hf_quantizer.remove_quantization_config(model)
+        quantizer: Any = model.hf_quantizer
+        quantizer.remove_quantization_config(model)
         return model, tokenizer
     resolved = resolve_model_source(source, "model.base")
     tokenizer = AutoTokenizer.from_pretrained(resolved)

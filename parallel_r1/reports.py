@@ -165,10 +165,9 @@ def model_scores(eval_metrics: Mapping[str, Mapping[str, dict]], model: str, pro
     are over all the model's samples: the four benchmarks, and GSM8K when it was evaluated.
     """
     per_bench = {b: _benchmark_metrics(eval_metrics, model, b, profile, report) for b in BENCHMARKS}
-    scores: dict[str, float | None] = {
-        col: 100.0 * per_bench[bench][key] for col, (bench, key) in COLUMN_SOURCES.items()
-    }
-    scores["avg"] = sum(scores[col] for col in AVG_COLUMNS) / len(AVG_COLUMNS)
+    paper_columns = {col: 100.0 * per_bench[bench][key] for col, (bench, key) in COLUMN_SOURCES.items()}
+    scores: dict[str, float | None] = dict(paper_columns)
+    scores["avg"] = sum(paper_columns[col] for col in AVG_COLUMNS) / len(AVG_COLUMNS)
     for bench in EXTRA_BENCHMARKS:
         if bench in eval_metrics.get(model, {}):
             per_bench[bench] = _benchmark_metrics(eval_metrics, model, bench, profile, report)
@@ -391,7 +390,7 @@ def rl_runs(summaries: Mapping[str, Mapping[str, Any]], steps: Mapping[str, Sequ
         history = steps.get(run, [])
         first, last = (history[0], history[-1]) if history else ({}, {})
 
-        def moved(key: str, first: dict = first, last: dict = last) -> str:   # bound to this run's steps
+        def moved(key: str, first: Mapping[str, Any] = first, last: Mapping[str, Any] = last) -> str:
             a, b = first.get(key), last.get(key)
             return "—" if a is None or b is None else f"{a:.2f} → {b:.2f}"
 

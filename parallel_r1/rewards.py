@@ -168,7 +168,8 @@ PARALLEL_ONLY = "parallel_only"
 REWARD_TYPES = (ACCURACY, PARALLEL_TIMES_ACCURACY, TIERED, PARALLEL_ONLY)
 
 
-_FIELD_KINDS = {"str": str, "int": int, "float": (int, float)}
+# RewardConfig's field annotations (strings under `from __future__ import annotations`) -> accepted types
+_FIELD_KINDS: dict[str, type | tuple[type, ...]] = {"str": str, "int": int, "float": (int, float)}
 
 
 @dataclass(frozen=True)
@@ -219,7 +220,7 @@ class RewardConfig:
 def _check_reward_values(values: Mapping[str, Any], where: str) -> None:
     """RewardConfig's checks on plain values, so each message carries the param path (`<where>.window`)."""
     for spec in dataclasses.fields(RewardConfig):
-        value, kinds = values[spec.name], _FIELD_KINDS[spec.type]
+        value, kinds = values[spec.name], _FIELD_KINDS[str(spec.type)]
         if isinstance(value, bool) or not isinstance(value, kinds):
             raise PipelineError(f"{where}.{spec.name}: must be {spec.type}, got {value!r}")
     if values["checker"] not in CHECKERS:

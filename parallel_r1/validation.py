@@ -407,6 +407,7 @@ def validate_dataset(rows_or_df: Iterable[dict] | pd.DataFrame, kind: Kind, name
             runnable.append(expectation)
     gx = _gx()
     run_suite = gx.ExpectationSuite(name=suite.name, expectations=runnable)
+    assert _BATCH_DEFINITION is not None  # made by _gx()
     batch = _BATCH_DEFINITION.get_batch(batch_parameters={"dataframe": frame})
     result = batch.validate(run_suite, result_format={"result_format": "SUMMARY",
                                                       "partial_unexpected_count": config.max_offending_rows})

@@ -103,8 +103,9 @@ def last_complete_checkpoint(checkpoint_dir: Path) -> tuple[Path | None, list[Pa
     """(newest complete checkpoint or None, the incomplete `checkpoint-N` folders beside it)."""
     if not checkpoint_dir.is_dir():
         return None, []
-    found = sorted((p for p in checkpoint_dir.iterdir() if p.is_dir() and CHECKPOINT_NAME.match(p.name)),
-                   key=lambda p: int(CHECKPOINT_NAME.match(p.name).group(1)))
+    numbered = [(int(match.group(1)), p) for p in checkpoint_dir.iterdir()
+                if p.is_dir() and (match := CHECKPOINT_NAME.match(p.name))]
+    found = [p for _, p in sorted(numbered, key=lambda step_path: step_path[0])]
     complete = [p for p in found if is_complete_checkpoint(p)]
     return (complete[-1] if complete else None), [p for p in found if p not in complete]
 

@@ -39,11 +39,11 @@ from typing import TYPE_CHECKING, Any, Iterable, Literal, Mapping, Sequence
 import torch
 
 from parallel_r1.config import from_mapping
-from parallel_r1.engine import RolloutConfig
+from parallel_r1.engine import EngineKind, RolloutConfig
 from parallel_r1.errors import PipelineError
 from parallel_r1.io import atomic_path
 from parallel_r1.models import check_model_dir, load_model
-from parallel_r1.prompts import chat_messages, render_prompt
+from parallel_r1.prompts import PromptStyle, chat_messages, render_prompt
 from parallel_r1.rewards import REWARDS, RewardConfig, build_reward
 from parallel_r1.training.checkpoints import check_scheduler, file_signature, resume_point, trainer_arguments
 from parallel_r1.training.memory import check_training_memory
@@ -53,7 +53,6 @@ if TYPE_CHECKING:  # the trainer module imports TRL: loaded in train_rl (see _ke
     from parallel_r1.training.grpo_trainer import RolloutStats
 
 Variant = Literal["seen", "unseen"]
-EngineKind = Literal["auto", "vllm", "transformers"]
 SNAPSHOTS = "snapshots"  # scaffold snapshots, staged beside the checkpoints, moved to <model>/steps/
 RUN_KEYS = ("init", "dataset", "reward", "variant", "prompt", "parallel", "epsilon_high", "snapshots")
 DATASET_KEYS = ("batch_size", "num_generations", "max_steps", "mini_batch_size")
@@ -179,7 +178,7 @@ class RLOptions:
         """Optimizer updates per rollout batch: batch_size / mini_batch_size."""
         return self.batch_size // (self.mini_batch_size or self.batch_size)
 
-    def resolved_engine(self) -> str:
+    def resolved_engine(self) -> Literal["vllm", "transformers"]:
         """"vllm" or "transformers", by the one rule of `engine.resolve_engine`."""
         from parallel_r1.engine import resolve_engine
 
@@ -249,7 +248,7 @@ def grpo_config(options: RLOptions, output_dir: str | os.PathLike, report_to: st
     check_scheduler(options.lr_scheduler, "params.yaml rl.lr_scheduler")
     layout = batch_layout(options, processes)
     engine = options.resolved_engine()
-    vllm = {}
+    vllm: dict[str, Any] = {}
     if engine == "vllm":
         vllm = dict(use_vllm=True, vllm_mode=options.vllm_mode,
                     vllm_importance_sampling_correction=options.vllm_importance_sampling_correction,
@@ -289,7 +288,7 @@ def grpo_config(options: RLOptions, output_dir: str | os.PathLike, report_to: st
 # ---------------------------------------------------------------- prompts
 
 
-def rl_dataset(rows: Sequence[Mapping[str, Any]], tokenizer, style: str, max_prompt_tokens: int,
+def rl_dataset(rows: Sequence[Mapping[str, Any]], tokenizer, style: PromptStyle, max_prompt_tokens: int,
                where: str = "RL prompts"):
     """TRL conversational dataset: `prompt` (one user message) + `ground_truth`, `answer_kind`, `id`.
 
@@ -453,10 +452,12 @@ def _keep_trl_off_vllm() -> None:
 
     if "trl.trainer.grpo_trainer" in sys.modules:
         return
-    importlib.import_module("trl.import_utils").is_vllm_available = lambda min_version=None: False
+    import_utils: Any = importlib.import_module("trl.import_utils")
+    import_utils.is_vllm_available = lambda min_version=None: False
 
 
-def rollout_function_for(options: RLOptions, engine: str, tokenizer, first_step: int = 0, **backend_options):
+def rollout_function_for(options: RLOptions, engine: Literal["transformers", "vllm"], tokenizer,
+                         first_step: int = 0, **backend_options):
     """TRL rollout_func sampling with the run's fork settings (parallel or plain, Seen or Unseen).
 
     The engine's sampler seeds follow `seed` and the step the run starts from, so a resumed run

@@ -57,11 +57,11 @@ class ParallelGRPOTrainer(GRPOTrainer):
     with a block) and `rollout_tokens_per_s`.
     """
 
-    def __init__(self, *args, structured: bool = False, rollout_func=None, **kwargs) -> None:
+    def __init__(self, model, reward_funcs, *, structured: bool = False, rollout_func=None, **kwargs) -> None:
         self.structured = structured
         self.rollout_stats = RolloutStats()
         measured = self._measured(rollout_func) if rollout_func is not None else None
-        super().__init__(*args, rollout_func=measured, **kwargs)
+        super().__init__(model=model, reward_funcs=reward_funcs, rollout_func=measured, **kwargs)
         self.tags = TagIds.from_tokenizer(self._tokenizer)
 
     def _measured(self, rollout_func):

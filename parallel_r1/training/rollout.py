@@ -26,6 +26,7 @@ import dataclasses
 from typing import Any, Callable, Literal, Sequence
 
 from parallel_r1.engine import RolloutConfig, RolloutEngine, stop_token_ids, transformers_engine
+from parallel_r1.engine.base import Backend
 from parallel_r1.errors import PipelineError
 from parallel_r1.prompts import PromptStyle, render_prompt
 
@@ -69,7 +70,7 @@ def engine_for_trainer(kind: Literal["transformers", "vllm"], tokenizer, config:
         if generation.mode == "colocate":
             from parallel_r1.engine.vllm_backend import VLLMBackend
 
-            backend = VLLMBackend(llm=generation.llm)
+            backend: Backend = VLLMBackend(llm=generation.llm)
         else:
             from parallel_r1.engine.vllm_server import VLLMServerBackend
 

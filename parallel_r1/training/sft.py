@@ -130,6 +130,15 @@ def end_of_turn(tokenizer) -> str:
     return END_OF_TURN if END_OF_TURN in tokenizer.get_vocab() else tokenizer.eos_token
 
 
+def _text_field(row: Mapping[str, Any], name: str, index: int, where: str) -> str:
+    """`row[name]` as a non-empty string, else a one-line error naming the row."""
+    value = row.get(name)
+    if not isinstance(value, str) or not value.strip():
+        raise PipelineError(f"{where} row {index} (id {row.get('id', '?')}): field {name} must be a "
+                            "non-empty string")
+    return value
+
+
 def sft_dataset(rows: Sequence[Mapping[str, Any]], tokenizer, where: str = "SFT data"):
     """TRL prompt-completion dataset: rendered Parallel Thinking prompt -> teacher completion + end of
     turn."""
@@ -140,11 +149,7 @@ def sft_dataset(rows: Sequence[Mapping[str, Any]], tokenizer, where: str = "SFT 
     end = end_of_turn(tokenizer)
     prompts, completions = [], []
     for index, row in enumerate(rows, start=1):
-        question, completion = row.get("question"), row.get("completion")
-        for name, value in (("question", question), ("completion", completion)):
-            if not isinstance(value, str) or not value.strip():
-                raise PipelineError(f"{where} row {index} (id {row.get('id', '?')}): field {name} must be a "
-                                    "non-empty string")
+        question, completion = (_text_field(row, name, index, where) for name in ("question", "completion"))
         prompts.append(render_prompt(tokenizer, question))
         completions.append(completion if completion.endswith(end) else completion + end)
     return Dataset.from_dict({"prompt": prompts, "completion": completions})
@@ -262,6 +267,7 @@ def make_trainer(options: SFTOptions, model, tokenizer, dataset, output_dir: str
     trainer = SFTTrainer(model=model, args=config, data_collator=collator, train_dataset=dataset,
                          processing_class=tokenizer, callbacks=list(callbacks))
     if options.structured:
+        assert trainer.model is not None  # SFTTrainer keeps the model it was given
         install_structured_attention(trainer.model, options.attn_implementation)
     return trainer
 
@@ -349,7 +355,7 @@ def probe_parallel_blocks(model_dir: str | os.PathLike, questions: Sequence[str]
     reasons: dict[str, int] = {}
     for text in texts:
         verdict = check_format(text)
-        key = "ok" if verdict.ok else verdict.reason
+        key = "ok" if verdict.ok else str(verdict.reason)
         reasons[key] = reasons.get(key, 0) + 1
     ranked = sorted(range(len(texts)), key=lambda i: not check_format(texts[i]).ok)  # well-formed first
     return {
