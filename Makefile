@@ -15,11 +15,12 @@ export PREFECT_HOME := $(CURDIR)/.prefect
 export MLFLOW_TRACKING_URI ?= sqlite:///$(CURDIR)/mlflow.db
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-fast bench ui clean help
+.PHONY: setup run test test-fast lint bench ui clean help
 
 help:
 	@echo "make run    - set up .venv and run the whole pipeline (dvc repro) on the active profile"
 	@echo "make test   - set up .venv and run the test suite"
+	@echo "make lint   - ruff (pyflakes, bugbear, simplify, isort, lines <= 110) and mypy, as CI runs them"
 	@echo "make ui     - Prefect + MLflow servers on 127.0.0.1 with the deployments served"
 	@echo "make bench  - benchmarks (ratios against a baseline measured in the same run)"
 
@@ -41,6 +42,11 @@ run: setup
 
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Settings in pyproject.toml ([tool.ruff], [tool.mypy]); CI (.ci/run) runs this before the tests.
+lint: setup
+	$(BIN)/ruff check parallel_r1 stages
+	$(BIN)/mypy
 
 test-fast: setup
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
