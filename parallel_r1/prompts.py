@@ -1,6 +1,6 @@
 """The paper's two prompts, rendered through the tokenizer's chat template.
 
-Both go in as one user message with the generation prompt appended (PAPER.md,
+Both go in as one user message with the generation prompt appended (docs/paper.md,
 "Prompts"). The Parallel Thinking prompt is used for teacher generation, training and
 evaluation; the Baseline prompt for the prompt ablation and the plain GRPO baselines.
 """

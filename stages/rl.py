@@ -1,4 +1,4 @@
-"""Stage `rl@<run>`: GRPO with parallel rollouts (PAPER.md stages 4-7), one params.yaml `rl_runs` entry.
+"""Stage `rl@<run>`: GRPO with parallel rollouts (docs/paper.md stages 4-7), one params.yaml `rl_runs` entry.
 
     dvc repro rl@parallel_r1_unseen_s2          # any run name of params.yaml rl_runs
     python -m stages.rl parallel_r1_unseen_s2   # the same, directly

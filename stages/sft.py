@@ -1,4 +1,4 @@
-"""Stage `sft@<variant>`: cold-start SFT on Parallel-GSM8K (PAPER.md stage 3), Seen or Unseen.
+"""Stage `sft@<variant>`: cold-start SFT on Parallel-GSM8K (docs/paper.md stage 3), Seen or Unseen.
 
     dvc repro sft@seen                # or sft@unseen
     python -m stages.sft seen --data data/sft/parallel_gsm8k.jsonl --base models/base   # the same, directly

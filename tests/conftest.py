@@ -66,7 +66,7 @@ def copy_repo(destination: Path, mirror_dir: Path | None = None, profile: str = 
 
 
 def set_param(params_file: Path, dotted: str, value: str) -> None:
-    """Set one params.yaml value in place (text edit keeps the comments DVC users rely on)."""
+    """Set one params.yaml value in place, by a YAML round trip (comments and anchors are not kept)."""
     import yaml
 
     data = yaml.safe_load(params_file.read_text())

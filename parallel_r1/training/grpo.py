@@ -1,4 +1,4 @@
-"""GRPO with parallel rollouts (PAPER.md stages 4-7) on TRL's GRPOTrainer.
+"""GRPO with parallel rollouts (docs/paper.md stages 4-7) on TRL's GRPOTrainer.
 
 One RL configuration = an init model, a prompt set, a reward schedule, a variant and a prompt
 style (params.yaml `rl_runs`). Per step GRPO samples `batch_size` prompts x

@@ -1,4 +1,4 @@
-"""Cold-start SFT on Parallel-GSM8K (PAPER.md stage 3) for both variants, with TRL's SFTTrainer.
+"""Cold-start SFT on Parallel-GSM8K (docs/paper.md stage 3) for both variants, with TRL's SFTTrainer.
 
 Data: each filtered teacher row becomes a prompt-completion pair. The prompt is the Parallel
 Thinking prompt as one user message rendered through the chat template with the generation prompt
