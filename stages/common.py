@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 import os
 import sys
 from itertools import dropwhile
@@ -20,6 +21,7 @@ import yaml
 from parallel_r1.errors import PipelineError
 
 PARAMS_FILE = Path(os.environ.get("PARALLEL_R1_PARAMS", "params.yaml"))
+log = logging.getLogger("stages")  # every stage's progress lines; set up once by `stage_main`
 
 
 def deep_merge(base: dict, override: dict) -> dict:
@@ -90,7 +92,7 @@ def link_mirror_for_temp_experiments(root: Path, mirror: str) -> None:
         if not link.exists():
             link.symlink_to(target, target_is_directory=True)
     except OSError as err:   # never fail a stage over this; a --temp experiment would then say why
-        print(f"warning: cannot link {link} -> {target} for dvc exp run --temp ({err})", file=sys.stderr)
+        log.warning(f"warning: cannot link {link} -> {target} for dvc exp run --temp ({err})")
 
 
 def read_params_yaml(path: Path) -> dict[str, Any]:
@@ -121,11 +123,34 @@ def section(params: dict[str, Any], *keys: str) -> Any:
     return node
 
 
+def is_main_process() -> bool:
+    """Rank 0 under `accelerate launch` / torchrun (which set RANK), else the only process."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+class _StdoutHandler(logging.Handler):
+    """Each record as one line on the current sys.stdout (looked up per line: pytest swaps it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(self.format(record), file=sys.stdout)
+
+
+def setup_logging() -> None:
+    """The `stages` logger: progress lines on stdout from the main process; other ranks log warnings
+    only, so an 8-GPU run prints each line once. The root logger (libraries, Prefect) is left alone."""
+    if not log.handlers:
+        log.addHandler(_StdoutHandler())
+        log.propagate = False
+    log.setLevel(logging.INFO if is_main_process() else logging.WARNING)
+
+
 def stage_main(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Run a stage entry point, turning `PipelineError` into one line on stderr and exit 1."""
+    """Run a stage entry point: logging set up once, `PipelineError` turned into one line on stderr and
+    exit 1."""
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        setup_logging()
         try:
             return func(*args, **kwargs)
         except PipelineError as err:

@@ -26,7 +26,7 @@ from parallel_r1.errors import PipelineError
 from parallel_r1.evaluation import generate_benchmark_samples, sample_to_row, summarize
 from parallel_r1.io import read_json, read_jsonl, write_json, write_jsonl
 from parallel_r1.models import check_model_dir, load_tokenizer
-from stages.common import load_params, section, stage_main
+from stages.common import load_params, log, section, stage_main
 
 PROBLEM_FIELDS = ("id", "question", "ground_truth", "answer_kind")
 
@@ -76,7 +76,7 @@ def evaluate_folder(model: str, folder: Path, benchmarks: dict[str, int], params
                                 checker=checker, tokenizer=tokenizer)
             rows = [sample_to_row(s, checker, tokenizer) for s in samples]
             results[name] = (metrics, rows)
-            print(f"{model} {name}: mean@{k} {metrics['mean_at_k']:.3f}, pass@{k} "
+            log.info(f"{model} {name}: mean@{k} {metrics['mean_at_k']:.3f}, pass@{k} "
                   f"{metrics['pass_at_k']:.3f}, "
                   f"parallel {metrics['parallel_ratio']:.2f}, truncated "
                   f"{metrics['truncated']}/{metrics['n_samples']}")
@@ -147,7 +147,7 @@ def evaluate_curve(run: str, params: dict) -> None:
 
 @stage_main
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m stages.evaluate", description=__doc__.splitlines()[0])
     parser.add_argument("model", help="model folder name under models/ (or the run with --curve)")
     parser.add_argument("--curve", action="store_true", help="evaluate the run's step snapshots (Figure 4)")
     args = parser.parse_args(argv)

@@ -11,19 +11,25 @@ before anything trains on nothing.
 
 from __future__ import annotations
 
+import argparse
+import sys
+from typing import Sequence
+
 from parallel_r1 import tracking
 from parallel_r1.config import from_mapping
 from parallel_r1.errors import PipelineError
 from parallel_r1.filtering import FilterConfig, filter_outputs
 from parallel_r1.io import read_jsonl, write_json, write_jsonl
-from stages.common import load_params, section, stage_main
+from stages.common import load_params, log, section, stage_main
 
 TRACKED = ("examples", "valid", "valid_pct", "kept")   # per-dataset metrics logged to MLflow
 TEACHER_FIELDS = ("id", "question", "ground_truth", "completion_tokens", "source", "model")
 
 
 @stage_main
-def main() -> None:
+def main(argv: Sequence[str] = ()) -> None:
+    parser = argparse.ArgumentParser(prog="python -m stages.filter", description=__doc__.splitlines()[0])
+    parser.parse_args(argv)  # no arguments (everything comes from params.yaml); --help works
     params = load_params()
     config = from_mapping(FilterConfig, section(params, "filter"), "params.yaml filter")
     datasets = section(params, "generate", "datasets")
@@ -51,11 +57,11 @@ def main() -> None:
         for name, (result, metrics) in results.items():
             write_json(f"metrics/filter/{name}.json", metrics)
             tracking.log_metrics({f"{name}.{key}": metrics[key] for key in TRACKED})
-            print(f"{name}: {metrics['valid']}/{metrics['examples']} valid ({metrics['valid_pct']}%), "
+            log.info(f"{name}: {metrics['valid']}/{metrics['examples']} valid ({metrics['valid_pct']}%), "
                   f"{metrics['kept']} kept, reasons {metrics['reasons']}")
             if name == config.sft_dataset:
                 write_jsonl(f"data/sft/parallel_{name}.jsonl", result.kept)
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

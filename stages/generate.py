@@ -13,6 +13,7 @@ file beside the output, so a killed run resumes where it stopped.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -26,7 +27,7 @@ from parallel_r1.io import read_jsonl, write_jsonl
 from parallel_r1.models import load_tokenizer, resolve_model_source
 from parallel_r1.prompts import render_prompt, user_message
 from parallel_r1.teacher import strip_thinking, teacher_record
-from stages.common import load_params, section, stage_main
+from stages.common import load_params, log, section, stage_main
 
 BASE_MODEL = "models/base"   # its tokenizer counts completion tokens for the SFT length cap
 CHUNK = 256                  # prompts per engine call: the unit of progress and of resuming
@@ -52,7 +53,7 @@ def model_rows(name: str, problems: list[dict], gen: dict, seed: int, student_to
     done = {row["id"]: row for row in read_jsonl(partial, allow_empty=True)} if partial.exists() else {}
     todo = [p for p in problems if p["id"] not in done]
     if done:
-        print(f"resuming: {len(done)} outputs already in {partial}, {len(todo)} to go")
+        log.info(f"resuming: {len(done)} outputs already in {partial}, {len(todo)} to go")
     config = RolloutConfig(parallel=False, max_tokens=int(gen["max_tokens"]),
                            temperature=float(gen["temperature"]),
                            top_p=float(gen["top_p"]), seed=seed)
@@ -78,13 +79,14 @@ def model_rows(name: str, problems: list[dict], gen: dict, seed: int, student_to
 
 @stage_main
 def main(argv: list[str] | None = None) -> None:
-    args = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="python -m stages.generate", description=__doc__.splitlines()[0])
+    parser.add_argument("dataset", nargs="?", help="a key of params.yaml generate.datasets")
+    name = parser.parse_args(argv).dataset
     params = load_params()
     gen = section(params, "generate")
     datasets = section(gen, "datasets")
-    if len(args) != 1 or args[0] not in datasets:
+    if name not in datasets:  # the names live in params.yaml: checked here, in one line
         raise PipelineError(f"usage: python -m stages.generate <dataset> (one of {', '.join(datasets)})")
-    name = args[0]
     spec = datasets[name]
     limit = spec.get("limit")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
             rows = model_rows(name, problems, gen, int(params.get("seed", 0)), tokenizer)
         count = write_jsonl(f"data/teacher/{name}.jsonl", rows)
         Path(f"data/teacher/.{name}.partial.jsonl").unlink(missing_ok=True)
-        print(f"data/teacher/{name}.jsonl: {count} teacher outputs")
+        log.info(f"data/teacher/{name}.jsonl: {count} teacher outputs")
         tokens = sum(row["completion_tokens"] for row in rows)
         tracking.log_metrics({"outputs": count, "truncated": sum(row["truncated"] for row in rows),
                               "mean_completion_tokens": tokens / max(count, 1)})

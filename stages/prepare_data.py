@@ -9,11 +9,15 @@ each cut to the profile's `limit`.
 
 from __future__ import annotations
 
+import argparse
+import sys
+from typing import Sequence
+
 from parallel_r1 import tracking
 from parallel_r1.data import SOURCES, load_problems
 from parallel_r1.errors import PipelineError
 from parallel_r1.io import write_jsonl
-from stages.common import load_params, section, stage_main
+from stages.common import load_params, log, section, stage_main
 
 
 def check_entry(where: str, spec: object) -> None:
@@ -31,7 +35,10 @@ def check_entry(where: str, spec: object) -> None:
 
 
 @stage_main
-def main() -> None:
+def main(argv: Sequence[str] = ()) -> None:
+    parser = argparse.ArgumentParser(prog="python -m stages.prepare_data",
+                                     description=__doc__.splitlines()[0])
+    parser.parse_args(argv)  # no arguments (everything comes from params.yaml); --help works
     params = load_params()
     mirror = section(params, "data").get("mirror_dir")
     entries = [(group, name, spec) for group in ("rl", "eval")
@@ -45,8 +52,8 @@ def main() -> None:
         for group, name, source, problems in loaded:
             count = write_jsonl(f"data/{group}/{name}.jsonl", problems)
             tracking.log_metrics({f"{group}.{name}.problems": count})
-            print(f"data/{group}/{name}.jsonl: {count} problems from {source}")
+            log.info(f"data/{group}/{name}.jsonl: {count} problems from {source}")
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -42,7 +42,7 @@ from pathlib import Path
 from parallel_r1 import reports, tracking
 from parallel_r1.config import from_mapping
 from parallel_r1.io import read_json
-from stages.common import load_params, stage_main
+from stages.common import load_params, log, stage_main
 
 METRICS = Path("metrics")
 REPORTS = Path("reports")
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
         tracking.log_artifact(out)
         if args.report == "reward_schedules":  # the comparison comes with its plot
             tracking.log_artifact(out.with_suffix(".png"))
-    print(f"wrote {out}")
+    log.info(f"wrote {out}")
 
 
 if __name__ == "__main__":

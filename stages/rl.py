@@ -20,7 +20,7 @@ every rl.save_steps; re-running a killed run resumes from the last one.
 
 from __future__ import annotations
 
-import sys
+import argparse
 import time
 
 from parallel_r1 import tracking
@@ -29,7 +29,7 @@ from parallel_r1.io import read_jsonl, write_json
 from parallel_r1.models import check_model_dir
 from parallel_r1.rewards import SCHEDULE_KNOBS, SHARED_KNOBS, RewardConfig
 from parallel_r1.training.grpo import RLOptions, RLResult, train_rl
-from stages.common import load_params, section, stage_main
+from stages.common import load_params, log, section, stage_main
 
 PROBLEM_FIELDS = ("id", "question", "ground_truth", "answer_kind")
 # How the model generates, saved with it: evaluate@<run> reads it from models/<run> (its declared dep)
@@ -89,12 +89,13 @@ def summarize(run: str, options: RLOptions, result: RLResult, wall_seconds: floa
 
 @stage_main
 def main(argv: list[str] | None = None) -> None:
-    args = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="python -m stages.rl", description=__doc__.splitlines()[0])
+    parser.add_argument("run", nargs="?", help="a key of params.yaml rl_runs")
+    run = parser.parse_args(argv).run
     params = load_params()
     runs = section(params, "rl_runs")
-    if len(args) != 1 or args[0] not in runs:
+    if run not in runs:  # the names live in params.yaml: checked here, in one line
         raise PipelineError(f"usage: python -m stages.rl <run> (one of {', '.join(runs)})")
-    run = args[0]
     options = rl_options(params, run)
     rewards = reward_config(params, options.reward)
     init_dir = check_model_dir(f"models/{options.init}")
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
                                                             "final_reward", "final_accuracy",
                                                             "final_parallel_ratio")})
         tracking.log_model_reference(result.model_dir)
-    print(f"rl@{run}: {result.steps} steps ({result.steps_this_run} this run), "
+    log.info(f"rl@{run}: {result.steps} steps ({result.steps_this_run} this run), "
           f"{summary['mean_step_seconds']} s/step, "
           f"rollouts {summary['rollout_tokens_per_s']} tokens/s ({result.engine}); final reward "
           f"{summary['final_reward']}, accuracy {summary['final_accuracy']}, parallel ratio "

@@ -17,7 +17,6 @@ GSM8K test questions, with examples). Checkpoints go to checkpoints/sft_<variant
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from contextlib import nullcontext
 
@@ -25,14 +24,9 @@ from parallel_r1 import tracking
 from parallel_r1.data import load_problems
 from parallel_r1.io import read_jsonl, write_json
 from parallel_r1.training.sft import VARIANTS, SFTOptions, probe_parallel_blocks, train_sft
-from stages.common import load_params, section, stage_main
+from stages.common import is_main_process, load_params, log, section, stage_main
 
 PROBE_SET = "gsm8k_test"  # held out: SFT trains on GSM8K train questions
-
-
-def is_main_process() -> bool:
-    """Rank 0 under `accelerate launch` / torchrun (which set RANK), else the only process."""
-    return int(os.environ.get("RANK", "0")) == 0
 
 
 @stage_main
@@ -86,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
                               "probe_mean_response_tokens": probe["mean_response_tokens"],
                               "wall_seconds": summary["wall_seconds"]})
         tracking.log_model_reference(result.model_dir)
-    print(f"sft@{variant}: {result.steps} steps on {result.examples} examples, loss "
+    log.info(f"sft@{variant}: {result.steps} steps on {result.examples} examples, loss "
           f"{summary['first_loss']} -> {result.final_loss}, {summary['wall_seconds']} s; parallel-block rate "
           f"{probe['parallel_block_rate']:.2f} on {probe['questions']} {PROBE_SET} questions -> "
           f"{result.model_dir}")

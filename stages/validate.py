@@ -22,7 +22,7 @@ from parallel_r1.config import from_mapping
 from parallel_r1.errors import PipelineError
 from parallel_r1.io import read_jsonl
 from parallel_r1.validation import KINDS, ValidationConfig, validate_dataset, write_reports
-from stages.common import load_params, stage_main
+from stages.common import load_params, log, stage_main
 
 DATA_DIR = Path("data")
 REPORT_DIR = Path("reports/validation")
@@ -72,12 +72,12 @@ def main(argv: list[str] | None = None) -> None:
         tracking.log_metrics({"datasets": len(reports), "failed": len(failed)})
         tracking.log_artifact(REPORT_DIR / "summary.md")
         for report in reports:
-            print(report.summary() if report.warnings and report.success else report.status_line())
+            log.info(report.summary() if report.warnings and report.success else report.status_line())
         if failed:
             print("\n" + "\n".join(report.summary() for report in failed), file=sys.stderr)
             raise PipelineError(f"validation failed for {len(failed)} of {len(reports)} dataset(s) "
                                 f"({', '.join(r.name for r in failed)}); see {REPORT_DIR / 'summary.md'}")
-    print(f"all {len(reports)} dataset(s) valid; reports in {REPORT_DIR}")
+    log.info(f"all {len(reports)} dataset(s) valid; reports in {REPORT_DIR}")
 
 
 if __name__ == "__main__":
