@@ -10,6 +10,7 @@ advantages, structured log-probs, the update, checkpoints -- is the real code pa
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import astuple
 from pathlib import Path
@@ -345,7 +346,8 @@ def test_killed_run_resumes_from_its_last_checkpoint_with_more_steps(init_dir, t
 
 def stage_project(root: Path, with_model: Path | None = None) -> None:
     """A project folder with the repository's params.yaml and prompt sets (and an init model)."""
-    shutil.copy(REPO / "params.yaml", root / "params.yaml")
+    text = (REPO / "params.yaml").read_text()  # on the fast random-init profile
+    (root / "params.yaml").write_text(re.sub(r"^profile: \w+", "profile: tiny", text, count=1, flags=re.M))
     for name in ("gsm8k", "dapo"):
         write_jsonl(root / f"data/rl/{name}.jsonl", PROBLEMS)
     if with_model is not None:
@@ -388,9 +390,8 @@ def test_stage_writes_model_steps_and_summary(tmp_path, monkeypatch, init_dir):
 
     stage_project(tmp_path, with_model=init_dir)
     params = yaml.safe_load((tmp_path / "params.yaml").read_text())
-    params["profiles"]["tiny"]["rl"].update({"max_completion_tokens": 8, "save_steps": 5,
-                                             "datasets": {"gsm8k": {"batch_size": 1, "num_generations": 2,
-                                                                    "max_steps": 1}}})
+    params["profiles"]["tiny"]["rl"].update({"max_completion_tokens": 8, "save_steps": 5})
+    params["profiles"]["tiny"]["rl_datasets"]["gsm8k"].update({"batch_size": 1, "num_generations": 2, "max_steps": 1})
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PARALLEL_R1_TRACKING", "off")

@@ -91,7 +91,7 @@ def test_short_seeded_sft_raises_the_tag_probability_on_held_out_demos(prepared,
     from parallel_r1.training.sft import SFTOptions, train_sft
 
     folder, model, tokenizer = prepared
-    rows = [json.loads(line) for line in (mirror / "teacher_demos_gsm8k.jsonl").read_text().splitlines() if line]
+    rows = [json.loads(line) for line in (mirror / "teacher_demos_gsm8k.jsonl").read_text().split("\n") if line]
     rows = [r for r in rows if PARALLEL_OPEN in r["completion"]]
     train, held_out = rows[:12], rows[-4:]
     before = [_first_block_logprob(model, tokenizer, r) for r in held_out]

@@ -20,7 +20,7 @@ from parallel_r1 import mlflow_ui, tracking
 from parallel_r1.errors import PipelineError
 from parallel_r1.reward_schedule_report import METRICS, SCHEDULES, build_report
 
-PARAMS = {"profile": "tiny", "seed": 42, "rl": {"lr": 1e-6, "datasets": {"gsm8k": {"max_steps": 2}}},
+PARAMS = {"profile": "tiny", "seed": 42, "rl": {"lr": 1e-6}, "rl_datasets": {"gsm8k": {"max_steps": 2}},
           "tracking": {"experiment": "tracking-test"}}
 
 
