@@ -3,7 +3,7 @@
     dvc repro filter
     python -m stages.filter
 
-Reads data/teacher/<dataset>.jsonl for every dataset of `generate.datasets`, writes
+Reads data/teacher/<dataset>.jsonl for every dataset of `generate_datasets`, writes
 metrics/filter/<dataset>.json (examples, valid %, rejection reasons) and the SFT set
 data/sft/parallel_<filter.sft_dataset>.jsonl. An SFT set with zero rows stops here,
 before anything trains on nothing.
@@ -32,10 +32,10 @@ def main(argv: Sequence[str] = ()) -> None:
     parser.parse_args(argv)  # no arguments (everything comes from params.yaml); --help works
     params = load_params()
     config = from_mapping(FilterConfig, section(params, "filter"), "params.yaml filter")
-    datasets = section(params, "generate", "datasets")
+    datasets = section(params, "generate_datasets")
     if config.sft_dataset not in datasets:
         raise PipelineError(f"params.yaml filter.sft_dataset: {config.sft_dataset!r} is not in "
-                            "generate.datasets")
+                            "generate_datasets")
     with tracking.stage_run("filter", params=params):
         # Every dataset is read and filtered before anything is written, so a bad file or an empty
         # SFT set leaves all previous outputs as they were instead of half of them replaced.

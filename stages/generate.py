@@ -80,22 +80,22 @@ def model_rows(name: str, problems: list[dict], gen: dict, seed: int, student_to
 @stage_main
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m stages.generate", description=__doc__.splitlines()[0])
-    parser.add_argument("dataset", nargs="?", help="a key of params.yaml generate.datasets")
+    parser.add_argument("dataset", nargs="?", help="a key of params.yaml generate_datasets")
     name = parser.parse_args(argv).dataset
     params = load_params()
     gen = section(params, "generate")
-    datasets = section(gen, "datasets")
+    datasets = section(params, "generate_datasets")
     if name not in datasets:  # the names live in params.yaml: checked here, in one line
         raise PipelineError(f"usage: python -m stages.generate <dataset> (one of {', '.join(datasets)})")
     spec = datasets[name]
     limit = spec.get("limit")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
-        raise PipelineError(f"params.yaml generate.datasets.{name}.limit: must be an integer >= 0 or null, "
+        raise PipelineError(f"params.yaml generate_datasets.{name}.limit: must be an integer >= 0 or null, "
                             f"got {limit!r}")
     if "source" not in spec:
-        raise PipelineError(f"params.yaml generate.datasets.{name}: missing key 'source'")
+        raise PipelineError(f"params.yaml generate_datasets.{name}: missing key 'source'")
     if spec["source"] not in ("model", "released"):
-        raise PipelineError(f"params.yaml generate.datasets.{name}.source: expected 'model' or 'released', "
+        raise PipelineError(f"params.yaml generate_datasets.{name}.source: expected 'model' or 'released', "
                             f"got {spec['source']!r}")
     mirror = section(params, "data").get("mirror_dir")
     tags = {"source": spec.get("source"),
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
         if spec.get("source") == "released":
             rows = released_rows(mirror, limit, tokenizer)
         else:
-            problems = load_problems(section(params, "generate", "datasets", name, "problems"), mirror,
+            problems = load_problems(section(params, "generate_datasets", name, "problems"), mirror,
                                      limit)
             rows = model_rows(name, problems, gen, int(params.get("seed", 0)), tokenizer)
         count = write_jsonl(f"data/teacher/{name}.jsonl", rows)

@@ -31,7 +31,7 @@ def mirror_deps() -> dict[str, set[str]]:
 
 def files_read(params: dict) -> dict[str, set[str]]:
     """The mirror files each stage reads under `params` (one profile), from the code's own tables."""
-    data, generate = params["data"], params["generate"]["datasets"]
+    data, generate = params["data"], params["generate_datasets"]
     reads = {"prepare_data": {SOURCES[spec["source"]].mirror_file
                               for group in ("rl", "eval") for spec in data[group].values()}}
     for name, spec in generate.items():

@@ -182,6 +182,7 @@ def test_each_reward_schedule_has_its_own_knobs_in_every_profile():
     for name, profile in params["profiles"].items():  # DVC needs every key a stage can name, in every profile
         assert set(profile["reward_schedules"]) == set(REWARDS), name
         assert set(profile["rl_datasets"]) == set(params["rl_datasets"]), name
+        assert set(profile["generate_datasets"]) == set(params["generate_datasets"]), name
 
 
 @pytest.fixture(scope="module")
@@ -248,3 +249,10 @@ def test_evaluation_takes_the_rollout_mode_from_the_model_folder(tmp_path, monke
     write_json("models/ablation/rollout.json", {"prompt": "baseline", "variant": "unseen", "parallel": False})
     assert rollout_mode("ablation") == ("baseline", True, False)
     assert rollout_mode("sft_unseen") == ("parallel", True, True)
+
+
+@pytest.mark.slow
+def test_a_teacher_set_limit_makes_only_that_sets_generation_stale(locked_repo, params_restored):
+    set_param(locked_repo / "params.yaml", "profiles.tiny.generate_datasets.dapo.limit", "4")
+    # filter reads every set's entry (names, sources); it also reads data/teacher/dapo.jsonl, so it reruns anyway
+    assert stale_stages(locked_repo) == {"generate@dapo", "filter"}

@@ -79,9 +79,9 @@ def test_negative_sample_count(workdir, capsys):
 
     params = (workdir / "params.yaml").read_text()
     (workdir / "params.yaml").write_text(params.replace("dapo: {limit: 8}", "dapo: {limit: -3}"))
-    assert load_params()["generate"]["datasets"]["dapo"]["limit"] == -3
+    assert load_params()["generate_datasets"]["dapo"]["limit"] == -3
     line = run_stage(main, capsys, ["dapo"])
-    assert line == "error: params.yaml generate.datasets.dapo.limit: must be an integer >= 0 or null, got -3"
+    assert line == "error: params.yaml generate_datasets.dapo.limit: must be an integer >= 0 or null, got -3"
 
 
 def test_unknown_profile(workdir, capsys):
