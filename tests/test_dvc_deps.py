@@ -1,9 +1,10 @@
 """dvc.yaml tells the truth: every stage lists the project code it imports and only the params it reads.
 
-The first test walks each stage module's imports (ast, transitively, within the project) and fails
-when a stage's deps miss one. The second changes one reward-schedule knob in a copy of the repo whose
-outputs are placeholders committed to dvc.lock (`dvc commit -f`: no model is trained) and checks with
-`dvc status` that only the runs on that schedule, and what reads their outputs, are stale.
+Code: each stage module's imports are walked (ast, transitively, within the project); a stage whose deps
+miss one fails, and so does one that lists code it never imports. Params: the per-item sections
+(reward_schedules, rl_datasets, generate_datasets) have an entry for every item in every profile, and the
+slow tests change one knob in a copy of the repo whose outputs are placeholders committed to dvc.lock
+(`dvc commit -f`: nothing is trained) and check with `dvc status` that only the stages reading it are stale.
 """
 
 from __future__ import annotations
