@@ -84,10 +84,24 @@ def backend_checks(folder: Path, engine_kind: str) -> None:
                f"stopped after {[len(s.token_ids) for s in stopped]} tokens (expected {[len(e) for e in expected]})")
         report("one log-prob per token", all(len(r.token_ids) == len(r.logprobs) for r in together))
         alone = engine.backend.continue_batch(requests[:1])[0]
-        report("same seed, same tokens alone or batched", alone.token_ids == together[0].token_ids,
-               f"{len(alone.token_ids)} tokens")
+        report("same seed, same tokens alone or batched", *batch_invariance(alone, together[0]))
     finally:
         engine.close()
+
+
+def batch_invariance(alone, batched, tolerance: float = 1e-3) -> tuple[bool, str]:
+    """Same tokens, or a flip on a numerical near-tie: batched kernels round differently from
+    unbatched ones, and a random-init model's next-token distribution is nearly flat, so a sampled
+    token may flip once the shared prefix's log-probs differ in the last digits. The check fails
+    when the log-probs of the shared prefix differ by more than `tolerance` (a real batching bug)."""
+    if alone.token_ids == batched.token_ids:
+        return True, f"{len(alone.token_ids)} tokens identical"
+    pairs = list(zip(alone.token_ids, batched.token_ids, strict=False))
+    same = next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
+    drift = max((abs(a - b) for a, b in zip(alone.logprobs[:same], batched.logprobs[:same], strict=True)),
+                default=0.0)
+    return drift <= tolerance, (f"tokens diverge at {same}/{len(alone.token_ids)}; prefix log-probs differ by "
+                                f"<= {drift:.2e} (a near-tie flip when <= {tolerance})")
 
 
 class KillAfterFirstStep:
