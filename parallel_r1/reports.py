@@ -59,8 +59,8 @@ PROFILE_NOTES = {
     "small": "SmolLM2-135M-Instruct on a CPU, minutes of SFT and a few RL steps. What it shows: the "
              "model learns the parallel format in SFT (parallel ratio, block position, path diversity) "
              "and every cell is computed by the real pipeline. What it cannot show: the paper's "
-             "accuracies -- a 135M model scores ~0 on AIME/AMC/MATH and a few percent on GSM8K, and "
-             "a handful of RL steps cannot move them",
+             "accuracies -- a 135M model scores ~0 on AIME/AMC/MATH, and on GSM8K its responses mostly "
+             "run past the short token cap (scored wrong), and a handful of RL steps cannot move that",
     "tiny": "a random-init tiny model; accuracies are not comparable to the paper, "
             "every cell is computed by the real pipeline",
     "paper": "the paper's settings; numbers are comparable to the paper's",
