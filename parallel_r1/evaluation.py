@@ -216,16 +216,14 @@ def generate_benchmark_samples(engine, tokenizer,
     """
     from parallel_r1.prompts import render_prompt
 
-    jobs = [(name, problem, index) for name, (problems, k) in benchmarks.items()
-            for problem in problems for index in range(k)]
-    rendered: dict[int, list[int]] = {}
-    prompt_ids = []
-    for _, problem, _ in jobs:
-        key = id(problem)
-        if key not in rendered:
+    jobs: list[tuple[str, Mapping[str, Any], int]] = []
+    prompt_ids: list[list[int]] = []
+    for name, (problems, k) in benchmarks.items():
+        for problem in problems:
             text = render_prompt(tokenizer, problem["question"], prompt_style)
-            rendered[key] = tokenizer(text, add_special_tokens=False)["input_ids"]
-        prompt_ids.append(rendered[key])
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            jobs += [(name, problem, index) for index in range(k)]
+            prompt_ids += [ids] * k
     rollouts = engine.generate(prompt_ids, 1) if prompt_ids else []
     samples: dict[str, list[Sample]] = {name: [] for name in benchmarks}
     for (name, problem, index), rollout in zip(jobs, rollouts, strict=True):

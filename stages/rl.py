@@ -61,6 +61,7 @@ def reward_config(params: dict, schedule: str) -> RewardConfig:
 def summarize(run: str, options: RLOptions, result: RLResult, wall_seconds: float) -> dict:
     """metrics/rl/<run>/summary.json: what ran, how fast, and where it ended."""
     last = result.history[-1] if result.history else {}
+    zero_spread = [h.get("frac_reward_zero_std") for h in result.history]  # share of groups without spread
     rate = result.rollout.tokens_per_second
     return {
         "run": run, "init": options.init, "dataset": options.dataset, "reward": options.reward,
@@ -80,8 +81,7 @@ def summarize(run: str, options: RLOptions, result: RLResult, wall_seconds: floa
         "final_accuracy": last.get("accuracy"),
         "final_parallel_ratio": last.get("parallel_ratio"),
         # Steps where some prompt's rollouts got different rewards: only those move a weight in GRPO.
-        "steps_with_reward_spread": sum(1 for h in result.history if (h.get("frac_reward_zero_std") or 0) < 1
-                                        and h.get("frac_reward_zero_std") is not None),
+        "steps_with_reward_spread": sum(1 for f in zero_spread if f is not None and f < 1),
         "steps_logged": len(result.history),
         "snapshots": result.snapshots,
     }

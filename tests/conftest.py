@@ -76,3 +76,43 @@ def set_param(params_file: Path, dotted: str, value: str) -> None:
         node = node.setdefault(key, {})
     node[leaf] = yaml.safe_load(value)
     params_file.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    """An empty project folder holding only params.yaml, as the cwd, tracking off (stage error tests)."""
+    import shutil
+
+    shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PARALLEL_R1_TRACKING", "off")
+    return tmp_path
+
+
+def one_line_error(main, capsys, *args) -> str:
+    """Run a stage entry point that must fail; its stderr must be exactly one line, returned."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(*args)
+    assert exit_info.value.code == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def teacher_row(**changes) -> dict:
+    """A valid teacher-output record (one well-formed block, numeric answer), `changes` laid over it."""
+    row = {"id": "g-1", "question": "q", "ground_truth": "3", "answer_kind": "gsm8k", "dataset": "gsm8k_train",
+           "prompt": "p", "completion": "<Parallel><Path>a</Path><Path>b</Path></Parallel><Summary>s</Summary>\n"
+           "Final Answer: 3", "source": "model", "model": "m", "completion_tokens": 20, "truncated": False}
+    return {**row, **changes}
+
+
+def write_teacher(root: Path, name: str, data: str | bytes) -> Path:
+    """data/teacher/<name>.jsonl under `root` with exactly `data` (text, or bytes for broken encodings)."""
+    path = root / "data" / "teacher" / f"{name}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(data, bytes):
+        path.write_bytes(data)
+    else:
+        path.write_text(data)
+    return path

@@ -8,49 +8,17 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import one_line_error, teacher_row, write_teacher
 
 from parallel_r1.errors import PipelineError
 from parallel_r1.io import read_json, read_jsonl
 from parallel_r1.models import check_model_dir, load_tokenizer, qwen3_tokenizer_dir
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def workdir(tmp_path, monkeypatch):
-    shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PARALLEL_R1_TRACKING", "off")
-    return tmp_path
-
-
-def one_line(main, capsys, *args) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        main(*args)
-    assert exit_info.value.code == 1
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1, lines
-    return lines[0]
-
-
-def teacher_row(**changes) -> dict:
-    row = {"id": "g-1", "question": "q", "ground_truth": "3", "answer_kind": "gsm8k", "dataset": "gsm8k_train",
-           "prompt": "p", "completion": "<Parallel><Path>a</Path><Path>b</Path></Parallel><Summary>s</Summary>\n"
-           "Final Answer: 3", "source": "model", "model": "m", "completion_tokens": 20, "truncated": False}
-    return {**row, **changes}
-
-
-def write_teacher(workdir: Path, name: str, data: bytes) -> Path:
-    path = workdir / "data" / "teacher" / f"{name}.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)
-    return path
-
 
 def fake_model_dir(folder: Path) -> Path:
     """A model folder as check_model_dir sees it: real tokenizer files, a config, tiny real weights."""
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
 
     shutil.copytree(qwen3_tokenizer_dir(), folder)
     (folder / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
@@ -66,7 +34,7 @@ def test_invalid_utf8_in_a_jsonl_line_is_one_line_with_file_and_line(workdir, ca
 
     good = json.dumps(teacher_row()).encode()
     write_teacher(workdir, "gsm8k", good + b"\n" + good.replace(b'"q"', b'"\xff\xfeq"') + b"\n")
-    line = one_line(main, capsys)
+    line = one_line_error(main, capsys)
     assert line == "error: data/teacher/gsm8k.jsonl:2: not valid UTF-8 (byte 28 of the line)"
 
 
@@ -87,7 +55,7 @@ def test_corrupt_safetensors_stops_the_stage_in_one_line(workdir, capsys, damage
 
     weights = fake_model_dir(workdir / "models" / "base") / "model.safetensors"
     weights.write_bytes(damage(weights.read_bytes()))
-    line = one_line(main, capsys, ["grpo_gsm8k"])
+    line = one_line_error(main, capsys, ["grpo_gsm8k"])
     assert line.startswith("error: models/base/model.safetensors: corrupt or truncated safetensors file (")
 
 
@@ -106,7 +74,7 @@ def test_yaml_syntax_error_in_params_names_file_line_and_column(workdir, capsys)
 
     text = (workdir / "params.yaml").read_text()
     (workdir / "params.yaml").write_text(text.replace("seed: 42", "seed: [42", 1))
-    line = one_line(main, capsys)
+    line = one_line_error(main, capsys)
     match = re.fullmatch(r"error: params.yaml:(\d+):\d+: YAML syntax error \(.+\)", line)
     seed_line = text.splitlines().index("seed: 42") + 1
     assert match and seed_line <= int(match.group(1)) <= seed_line + 2, line   # YAML notices at the next key
@@ -162,7 +130,7 @@ def test_missing_completion_is_reported_as_missing_not_as_a_wrong_type(workdir, 
     row = teacher_row()
     del row["completion"]
     write_teacher(workdir, "gsm8k", (json.dumps(row) + "\n").encode())
-    assert one_line(main, capsys) == "error: data/teacher/gsm8k.jsonl:1: missing field completion"
+    assert one_line_error(main, capsys) == "error: data/teacher/gsm8k.jsonl:1: missing field completion"
 
 
 @pytest.mark.parametrize("key, value, message", [
@@ -180,9 +148,10 @@ def test_reward_param_errors_name_the_param_path(key, value, message):
 
 def test_unknown_reward_schedule_names_the_run_param(workdir, capsys):
     from conftest import set_param
+
     from stages.rl import main
 
     set_param(workdir / "params.yaml", "rl_runs.grpo_gsm8k.reward", "kindness")
-    line = one_line(main, capsys, ["grpo_gsm8k"])
+    line = one_line_error(main, capsys, ["grpo_gsm8k"])
     assert line.startswith("error: params.yaml rl_runs.grpo_gsm8k.reward: unknown schedule 'kindness' "
                            "(known: ")

@@ -5,47 +5,33 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
-
-from conftest import copy_repo, set_param
+from conftest import copy_repo, set_param, teacher_row, write_teacher
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def teacher_row(**changes) -> dict:
-    row = {"id": "g-1", "question": "q", "ground_truth": "3", "answer_kind": "gsm8k", "dataset": "gsm8k_train",
-           "prompt": "p", "completion": "<Parallel><Path>a</Path><Path>b</Path></Parallel><Summary>s</Summary>\n"
-           "Final Answer: 3", "source": "model", "model": "m", "completion_tokens": 20, "truncated": False}
-    return {**row, **changes}
-
-
 def write_teachers(root: Path, gsm8k: str, dapo: str) -> None:
-    for name, text in (("gsm8k", gsm8k), ("dapo", dapo)):
-        path = root / "data" / "teacher" / f"{name}.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+    write_teacher(root, "gsm8k", gsm8k)
+    write_teacher(root, "dapo", dapo)
 
 
 OUTPUTS = ("metrics/filter/gsm8k.json", "metrics/filter/dapo.json", "data/sft/parallel_gsm8k.jsonl")
 
 
 @pytest.fixture
-def filtered(tmp_path, monkeypatch):
+def filtered(workdir):
     """A project folder where the filter has run once: its outputs are the 'previous' ones."""
     from stages.filter import main
 
-    shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PARALLEL_R1_TRACKING", "off")
-    write_teachers(tmp_path, json.dumps(teacher_row()) + "\n", json.dumps(teacher_row(id="d-1")) + "\n")
+    write_teachers(workdir, json.dumps(teacher_row()) + "\n", json.dumps(teacher_row(id="d-1")) + "\n")
     main()
-    return {name: (tmp_path / name).read_bytes() for name in OUTPUTS}
+    return {name: (workdir / name).read_bytes() for name in OUTPUTS}
 
 
 @pytest.mark.parametrize("broken", ["zero_kept", "bad_second_file"])
@@ -75,14 +61,12 @@ def test_every_dvc_output_is_cached_so_checkout_restores_it():
     assert uncached == []
 
 
-def test_bad_dataset_entry_names_its_param_path_before_any_dataset_is_read(tmp_path, monkeypatch, capsys):
+def test_bad_dataset_entry_names_its_param_path_before_any_dataset_is_read(workdir, monkeypatch, capsys):
     from stages.prepare_data import main
 
-    shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
+    tmp_path = workdir
     profile = yaml.safe_load((tmp_path / "params.yaml").read_text())["profile"]
     set_param(tmp_path / "params.yaml", f"profiles.{profile}.data.eval.math.limit", "-2")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PARALLEL_R1_TRACKING", "off")
     monkeypatch.setenv("PARALLEL_R1_DATA", str(tmp_path / "no-mirror"))   # reading anything would fail
     with pytest.raises(SystemExit):
         main()

@@ -400,6 +400,8 @@ def test_stage_writes_model_steps_and_summary(tmp_path, monkeypatch, init_dir):
     assert [tuple(r) for r in steps] == [STEP_KEYS] and steps[0]["reward_type"] == "accuracy"
     summary = read_json(tmp_path / "metrics/rl/grpo_gsm8k/summary.json")
     assert summary["steps"] == 1 and summary["rollout_backend"] == "transformers"
+    assert 0 <= steps[0]["frac_reward_zero_std"] <= 1  # TRL's per-step reward spread reaches steps.json
+    assert summary["steps_with_reward_spread"] == int(steps[0]["frac_reward_zero_std"] < 1)
     assert summary["rollout_tokens_per_s"] > 0 and summary["final_reward"] == steps[0]["reward"]
     assert summary["profile"] == "tiny" and json.dumps(summary)
     load_model(tmp_path / "models/grpo_gsm8k")
