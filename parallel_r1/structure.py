@@ -264,7 +264,7 @@ def attention_inputs(structure: Structure, attn_implementation: str, dtype: torc
     position_ids = structure.position_ids[:, length - q_len:]
     if attn_implementation == "flex_attention":
         mask = structure.block_mask(query_length=q_len)
-    elif attn_implementation == "sdpa":
+    elif attn_implementation in ("sdpa", "sdpa_gqa"):  # sdpa_gqa: engine/attention.py
         mask = structure.dense_mask(q_len)
     elif attn_implementation == "eager":
         allowed = structure.dense_mask(q_len)

@@ -22,6 +22,7 @@ from typing import Callable, Sequence, cast
 
 import torch
 
+from parallel_r1.engine.attention import use_gqa_sdpa
 from parallel_r1.engine.base import SegmentRequest, SegmentResult
 from parallel_r1.errors import PipelineError
 from parallel_r1.structure import TagIds, attention_inputs, build_structure
@@ -49,6 +50,7 @@ class TransformersBackend:
         if max_batch_size < 1:
             raise PipelineError(f"transformers backend: max_batch_size must be >= 1, got {max_batch_size}")
         self.model = _unwrap(model)
+        use_gqa_sdpa(self.model)  # the KV heads are not copied per step on CPU (engine/attention.py)
         self.tags = tags
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
