@@ -25,7 +25,7 @@ from parallel_r1.engine import RolloutConfig, make_engine
 from parallel_r1.errors import PipelineError
 from parallel_r1.evaluation import generate_benchmark_samples, sample_to_row, summarize
 from parallel_r1.io import read_json, read_jsonl, write_json, write_jsonl
-from parallel_r1.models import check_model_dir, load_tokenizer
+from parallel_r1.models import check_model_dir, load_tokenizer, runs_in_bf16
 from stages.common import load_params, log, section, stage_main
 
 PROBLEM_FIELDS = ("id", "question", "ground_truth", "answer_kind")
@@ -61,7 +61,9 @@ def evaluate_folder(model: str, folder: Path, benchmarks: dict[str, int], params
                            top_p=float(settings["top_p"]), max_tokens=int(settings["max_tokens"]),
                            num_paths=int(rl.get("num_paths", 2)), max_blocks=int(rl.get("max_blocks", 4)),
                            seed=int(params.get("seed", 0)))
+    dtype = str(section(params, "model").get("dtype", "float32"))
     engine = make_engine(settings.get("engine", "auto"), folder, tokenizer, config,
+                         dtype=dtype if runs_in_bf16(dtype) else "float32",
                          gpu_memory_utilization=settings.get("gpu_memory_utilization"),
                          enforce_eager=settings.get("enforce_eager"))
     checker = settings.get("checker", "paper")

@@ -23,7 +23,8 @@ from contextlib import nullcontext
 from parallel_r1 import tracking
 from parallel_r1.data import load_problems
 from parallel_r1.io import read_jsonl, write_json
-from parallel_r1.training.sft import VARIANTS, SFTOptions, probe_parallel_blocks, train_sft
+from parallel_r1.training.probe import probe_parallel_blocks
+from parallel_r1.training.sft import VARIANTS, SFTOptions, train_sft
 from stages.common import is_main_process, load_params, log, section, stage_main
 
 PROBE_SET = "gsm8k_test"  # held out: SFT trains on GSM8K train questions
@@ -48,15 +49,17 @@ def main(argv: list[str] | None = None) -> None:
         if is_main_process() else nullcontext()
     with run:
         started = time.perf_counter()
+        dtype = str(section(params, "model").get("dtype", "float32"))
         result = train_sft(options, args.base, rows, f"models/sft_{variant}", f"checkpoints/sft_{variant}",
-                           dtype=str(section(params, "model").get("dtype", "float32")),
+                           dtype=dtype,
                            report_to=tracking.report_to(), where=sft_data)
         if not result.is_main_process:
             return
         train_seconds = time.perf_counter() - started
         mirror = section(params, "data").get("mirror_dir")
         questions = [p["question"] for p in load_problems(PROBE_SET, mirror, options.probe_questions)]
-        probe = probe_parallel_blocks(result.model_dir, questions, options.probe_max_tokens)
+        probe = probe_parallel_blocks(result.model_dir, questions, options.probe_max_tokens, variant=variant,
+                                      dtype=dtype)
         summary = {
             "variant": variant,
             "profile": params["profile"],

@@ -18,6 +18,7 @@ from parallel_r1.io import read_json, write_jsonl
 from parallel_r1.models import TinyModelConfig, build_tiny_model, load_model, load_tokenizer, prepare_base_model
 from parallel_r1.prompts import render_prompt
 from parallel_r1.structure import TagIds, build_structure
+from parallel_r1.training.probe import CAUSAL_DECODING, ENGINE_DECODING
 from parallel_r1.training.sft import ParallelSFTCollator, SFTOptions, batch_structure, install_structured_attention, \
     make_trainer, sft_dataset, train_sft
 
@@ -192,5 +193,12 @@ def test_stage_writes_model_loss_curve_and_summary(variant, demos, mirror, tmp_p
     probe = summary["probe"]
     assert probe["questions"] == 2 and 0.0 <= probe["parallel_block_rate"] <= 1.0
     assert len(probe["examples"]) == 2 and all(isinstance(e["response"], str) for e in probe["examples"])
+    # each variant is probed the way it decodes: Unseen by the structured forking engine, with the
+    # free causal decoding kept beside it for reference
+    if variant == "unseen":
+        assert probe["decoding"] == ENGINE_DECODING and probe["causal"]["decoding"] == CAUSAL_DECODING
+        assert 0.0 <= probe["causal"]["parallel_block_rate"] <= 1.0
+    else:
+        assert probe["decoding"] == CAUSAL_DECODING and "causal" not in probe
     assert json.dumps(summary)
     assert not (tmp_path / f"checkpoints/sft_{variant}").exists()

@@ -39,8 +39,12 @@ def trainer_arguments(*, save_steps: int, seed: int, report_to: str | list[str],
                       gradient_checkpointing: bool) -> dict[str, Any]:
     """The TrainingArguments SFT and GRPO share: a log row per step (the metric files and MLflow
     read them), a checkpoint every `save_steps` with only the last kept (enough to resume), and
-    one seed for both the model's sampling and the data order."""
-    return dict(gradient_checkpointing=gradient_checkpointing, bf16=bf16, logging_steps=1,
+    one seed for both the model's sampling and the data order. bf16 without a GPU needs `use_cpu`
+    (transformers refuses bf16 otherwise; accelerate then autocasts on the CPU)."""
+    import torch
+
+    return dict(gradient_checkpointing=gradient_checkpointing, bf16=bf16,
+                use_cpu=bf16 and not torch.cuda.is_available(), logging_steps=1,
                 save_strategy="steps", save_steps=save_steps, save_total_limit=1, seed=seed, data_seed=seed,
                 report_to=report_to)
 

@@ -36,16 +36,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Literal, Mapping, Sequence
 
-import torch
-
 from parallel_r1.config import from_mapping
 from parallel_r1.engine import EngineKind, RolloutConfig
 from parallel_r1.errors import PipelineError
 from parallel_r1.io import atomic_path
-from parallel_r1.models import check_model_dir, load_model
+from parallel_r1.models import check_model_dir, load_model, runs_in_bf16
 from parallel_r1.prompts import PromptStyle, chat_messages, render_prompt
 from parallel_r1.rewards import REWARDS, RewardConfig, build_reward
-from parallel_r1.training.checkpoints import check_scheduler, file_signature, resume_point, trainer_arguments
+from parallel_r1.training.checkpoints import (
+    check_scheduler,
+    file_signature,
+    resume_point,
+    trainer_arguments,
+)
 from parallel_r1.training.memory import check_training_memory
 from parallel_r1.training.rollout import engine_for_trainer, make_rollout_func
 
@@ -374,11 +377,11 @@ def train_rl(options: RLOptions, init_dir: str | os.PathLike, rows: Sequence[Map
              engine_options: Mapping[str, Any] | None = None) -> RLResult:
     """GRPO from the model in `init_dir` on problem `rows`; the trained policy goes to `out_dir`.
 
-    Weights stay float32 (the optimizer's master copy); on a GPU with `dtype` bfloat16 the
-    forward/backward run under bf16 autocast. A run with the same fingerprint as the checkpoints in
-    `checkpoint_dir` resumes from the last one (a larger max_steps continues it); the folder is
-    removed once the model is in place. `engine_options` go to the rollout backend (transformers:
-    max_batch_size, logits_processor).
+    Weights stay float32 (the optimizer's master copy); with `dtype` bfloat16 the forward/backward
+    run under bf16 autocast where the hardware has bf16 (`models.runs_in_bf16`). A run with
+    the same fingerprint as the checkpoints in `checkpoint_dir` resumes from the last one (a larger
+    max_steps continues it); the folder is removed once the model is in place. `engine_options` go
+    to the rollout backend (transformers: max_batch_size, logits_processor).
     """
     from accelerate import PartialState
 
@@ -406,7 +409,7 @@ def train_rl(options: RLOptions, init_dir: str | os.PathLike, rows: Sequence[Map
     resumed_from = resume_point(checkpoint_dir, _fingerprint(options, dataset, init_dir, reward_config),
                                 state)
     config = grpo_config(options, checkpoint_dir, report_to, processes=state.num_processes,
-                         bf16=torch.cuda.is_available() and dtype == "bfloat16")
+                         bf16=runs_in_bf16(dtype))
     snapshot_dir = checkpoint_dir / SNAPSHOTS if options.snapshots else None
     updates = options.updates_per_step
     snapshotter = SnapshotCallback(snapshot_dir, options.snapshot_every, updates) if snapshot_dir else None

@@ -41,12 +41,16 @@ import torch
 
 from parallel_r1.config import from_mapping
 from parallel_r1.errors import PipelineError
-from parallel_r1.format import check_format, parallel_ratio
 from parallel_r1.io import atomic_path
-from parallel_r1.models import load_model
+from parallel_r1.models import load_model, runs_in_bf16
 from parallel_r1.prompts import render_prompt
 from parallel_r1.structure import Structure, TagIds, attention_inputs, build_structure
-from parallel_r1.training.checkpoints import check_scheduler, file_signature, resume_point, trainer_arguments
+from parallel_r1.training.checkpoints import (
+    check_scheduler,
+    file_signature,
+    resume_point,
+    trainer_arguments,
+)
 from parallel_r1.training.saving import save_full_model
 
 Variant = Literal["seen", "unseen"]
@@ -278,8 +282,8 @@ def train_sft(options: SFTOptions, base_dir: str | os.PathLike, rows: Sequence[M
               callbacks: Iterable = ()) -> SFTResult:
     """Fine-tune the model in `base_dir` on `rows` (teacher-output records) and save it to `out_dir`.
 
-    Weights stay float32 (the optimizer's master copy); on a GPU with `dtype` bfloat16 the
-    forward/backward run under bf16 autocast. On CPU everything is float32.
+    Weights stay float32 (the optimizer's master copy); with `dtype` bfloat16 the forward/backward
+    run under bf16 autocast where the hardware has bf16 (`models.runs_in_bf16`).
     """
     from accelerate import PartialState
 
@@ -291,7 +295,7 @@ def train_sft(options: SFTOptions, base_dir: str | os.PathLike, rows: Sequence[M
     dataset = sft_dataset(rows, tokenizer, where)
     resumed_from = resume_point(checkpoint_dir, _fingerprint(options, dataset, base_dir), state)
     trainer = make_trainer(options, model, tokenizer, dataset, checkpoint_dir, report_to=report_to,
-                           bf16=torch.cuda.is_available() and dtype == "bfloat16",
+                           bf16=runs_in_bf16(dtype),
                            processes=state.num_processes,
                            callbacks=callbacks)
     trainer.train(resume_from_checkpoint=resumed_from)
@@ -321,50 +325,3 @@ def train_sft(options: SFTOptions, base_dir: str | os.PathLike, rows: Sequence[M
         final_loss=history[-1]["loss"] if history else None, loss_history=history,
         resumed_from=resumed_from, is_main_process=state.is_main_process,
     )
-
-
-def probe_parallel_blocks(model_dir: str | os.PathLike, questions: Sequence[str], max_new_tokens: int,
-                          batch_size: int = 16, n_examples: int = 2) -> dict[str, Any]:
-    """Greedy generations of the saved model on `questions` and how many hold well-formed blocks.
-
-    Plain `model.generate` with causal attention and no forking engine, so the model must write
-    every tag itself; `parallel_block_rate` is `format.parallel_ratio` (Algorithm 1 passed, >= 1
-    block). Why causal for Unseen too: decoded linearly under its own path-window mask, a greedy
-    Unseen model can never close a valid block -- path 2 sees exactly what path 1 saw (same context,
-    same multiverse positions), so it repeats path 1 token for token, and the token after each
-    `</Path>` is chosen without seeing how many paths exist, so the block ends after one path or
-    never. Only the forking engine (which fixes the number of paths) decodes Unseen exactly.
-    """
-    model, tokenizer = load_model(model_dir, "float32", attn_implementation="sdpa")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model.to(device).eval()
-    tokenizer.padding_side = "left"
-    stops = sorted({tokenizer.convert_tokens_to_ids(end_of_turn(tokenizer)), tokenizer.eos_token_id})
-    texts, lengths = [], []
-    for start in range(0, len(questions), batch_size):
-        prompts = [render_prompt(tokenizer, q) for q in questions[start:start + batch_size]]
-        enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-        with torch.no_grad():
-            out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=stops,
-                                 pad_token_id=tokenizer.pad_token_id)
-        for row in out[:, enc["input_ids"].shape[1]:].tolist():
-            ends = [i for i, t in enumerate(row) if t in stops]
-            row = row[:ends[0]] if ends else row
-            lengths.append(len(row))
-            texts.append(tokenizer.decode(row, skip_special_tokens=False))
-    reasons: dict[str, int] = {}
-    for text in texts:
-        verdict = check_format(text)
-        key = "ok" if verdict.ok else str(verdict.reason)
-        reasons[key] = reasons.get(key, 0) + 1
-    ranked = sorted(range(len(texts)), key=lambda i: not check_format(texts[i]).ok)  # well-formed first
-    return {
-        "questions": len(texts),
-        "max_new_tokens": max_new_tokens,
-        "decoding": "greedy, causal attention, no forking",
-        "parallel_block_rate": parallel_ratio(texts),
-        "parallel_tag_rate": sum("<Parallel>" in t for t in texts) / len(texts) if texts else 0.0,
-        "format_check": dict(sorted(reasons.items())),
-        "mean_response_tokens": sum(lengths) / len(lengths) if lengths else 0.0,
-        "examples": [{"question": questions[i], "response": texts[i]} for i in ranked[:n_examples]],
-    }

@@ -1,0 +1,107 @@
+"""The SFT probe: does a fine-tuned model write parallel blocks on held-out questions (greedy)?
+
+Each variant is decoded the way it is meant to be used:
+- Seen: free causal decoding (`model.generate`): the model writes every tag itself, both paths
+  included, so a well-formed block is entirely its own work.
+- Unseen: the forking engine with structured attention, as RL and evaluation decode it (the
+  official Parallel-R1 loop): the model opens a block with `<Parallel>`, ends each path with
+  `</Path>` and its summary with `</Summary>`; the engine inserts `<Path>`, `</Parallel>` and
+  `<Summary>` and runs the paths side by side under the path-window mask.
+  Free causal decoding can never close an Unseen block, so for Unseen it is also reported
+  (`causal`) for reference: decoded linearly under its own path-window mask, path 2 sees exactly
+  what path 1 saw (same context, same multiverse positions) and repeats it, and the token after
+  each `</Path>` is chosen without seeing how many paths exist, so the block ends after one path.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import torch
+
+from parallel_r1.format import check_format, parallel_ratio
+from parallel_r1.models import load_model, runs_in_bf16
+from parallel_r1.prompts import render_prompt
+from parallel_r1.training.sft import end_of_turn
+
+ENGINE_DECODING = ("greedy, forking engine with structured attention (the official loop: the engine inserts "
+                   "<Path>, </Parallel>, <Summary>)")
+CAUSAL_DECODING = "greedy, causal attention, no forking"
+
+
+def probe_parallel_blocks(model_dir: str | os.PathLike, questions: Sequence[str], max_new_tokens: int, *,
+                          variant: str = "seen", dtype: str = "float32",
+                          n_examples: int = 2) -> dict[str, Any]:
+    """How many of `questions` get >= 1 well-formed block (`format.parallel_ratio`), decoded as
+    `variant` is used; `dtype` as evaluation runs it (bfloat16 only where `runs_in_bf16`)."""
+    dtype = dtype if runs_in_bf16(dtype) else "float32"
+    model, tokenizer = load_model(model_dir, dtype, attn_implementation="sdpa")
+    model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+    causal = _report(*_causal_greedy(model, tokenizer, questions, max_new_tokens), questions, max_new_tokens,
+                     CAUSAL_DECODING, n_examples)
+    if variant != "unseen":
+        return causal
+    engine = _report(*_engine_greedy(model, tokenizer, questions, max_new_tokens), questions, max_new_tokens,
+                     ENGINE_DECODING, n_examples)
+    return {**engine, "causal": {key: causal[key] for key in
+                                 ("decoding", "parallel_block_rate", "parallel_tag_rate", "format_check")}}
+
+
+Responses = tuple[list[str], list[int]]  # texts and their token counts
+
+
+def _causal_greedy(model, tokenizer, questions: Sequence[str], max_new_tokens: int) -> Responses:
+    """Responses of plain `model.generate` (one left-padded batch), cut at the first stop token."""
+    from parallel_r1.engine.attention import use_gqa_sdpa
+
+    use_gqa_sdpa(model)
+    tokenizer.padding_side = "left"
+    stops = sorted({tokenizer.convert_tokens_to_ids(end_of_turn(tokenizer)), tokenizer.eos_token_id})
+    prompts = [render_prompt(tokenizer, q) for q in questions]
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+    with torch.no_grad():
+        out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=stops,
+                             pad_token_id=tokenizer.pad_token_id)
+    texts, lengths = [], []
+    for row in out[:, enc["input_ids"].shape[1]:].tolist():
+        ends = [i for i, t in enumerate(row) if t in stops]
+        row = row[:ends[0]] if ends else row
+        lengths.append(len(row))
+        texts.append(tokenizer.decode(row, skip_special_tokens=False))
+    return texts, lengths
+
+
+def _engine_greedy(model, tokenizer, questions: Sequence[str], max_new_tokens: int) -> Responses:
+    """Responses of the forking engine, greedy, Unseen's structured attention."""
+    from parallel_r1.engine import RolloutConfig, transformers_engine
+
+    config = RolloutConfig(parallel=True, structured=True, temperature=0.0, max_tokens=max_new_tokens)
+    engine = transformers_engine(model, tokenizer, config)
+    try:
+        prompt_ids = [tokenizer(render_prompt(tokenizer, q), add_special_tokens=False)["input_ids"]
+                      for q in questions]
+        rollouts = engine.generate(prompt_ids, 1)
+    finally:
+        engine.close()
+    return [r.text for r in rollouts], [len(r.completion_ids) for r in rollouts]
+
+
+def _report(texts: list[str], lengths: list[int], questions: Sequence[str], max_new_tokens: int,
+            decoding: str, n_examples: int) -> dict[str, Any]:
+    reasons: dict[str, int] = {}
+    for text in texts:
+        verdict = check_format(text)
+        key = "ok" if verdict.ok else str(verdict.reason)
+        reasons[key] = reasons.get(key, 0) + 1
+    ranked = sorted(range(len(texts)), key=lambda i: not check_format(texts[i]).ok)  # well-formed first
+    return {
+        "questions": len(texts),
+        "max_new_tokens": max_new_tokens,
+        "decoding": decoding,
+        "parallel_block_rate": parallel_ratio(texts),
+        "parallel_tag_rate": sum("<Parallel>" in t for t in texts) / len(texts) if texts else 0.0,
+        "format_check": dict(sorted(reasons.items())),
+        "mean_response_tokens": sum(lengths) / len(lengths) if lengths else 0.0,
+        "examples": [{"question": questions[i], "response": texts[i]} for i in ranked[:n_examples]],
+    }
