@@ -37,6 +37,17 @@ def _unwrap(model):
     return model
 
 
+def no_autocast(model):
+    """Decode in the weights' own dtype even when called inside a trainer's autocast region.
+
+    TRL calls the rollout function under bf16 autocast when training in bf16; autocast would then
+    cast every fp32 weight matrix to bf16 on every decode step (measured: a GRPO step on
+    SmolLM2-135M went from ~35 s to 132 s, rollouts at 12 tokens/s), and the rollouts would no
+    longer be sampled from the fp32 policy that computes their log-probs.
+    """
+    return torch.autocast(device_type=next(model.parameters()).device.type, enabled=False)
+
+
 class TransformersBackend:
     """Continue token sequences with a transformers causal LM.
 
@@ -72,7 +83,7 @@ class TransformersBackend:
         was_training = self.model.training
         self.model.eval()  # no dropout, and the KV cache stays on under gradient checkpointing
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), no_autocast(self.model):
                 for chunk in chunks:
                     for index, result in zip(chunk, self._run([requests[i] for i in chunk]), strict=True):
                         results[index] = result

@@ -45,7 +45,7 @@ from typing import Hashable, Literal, Sequence
 import torch
 
 from parallel_r1.engine.base import SegmentRequest, SegmentResult
-from parallel_r1.engine.hf import TransformersBackend
+from parallel_r1.engine.hf import TransformersBackend, no_autocast
 from parallel_r1.engine.kv_pool import Batch, DecodePool, KeptRow, PoolRow, cache_over, full_attention_only
 from parallel_r1.errors import PipelineError
 from parallel_r1.structure import Structure, attention_inputs, build_structure
@@ -153,7 +153,7 @@ class ForkingTransformersBackend(TransformersBackend):
         was_training = self.model.training
         self.model.eval()  # no dropout, and the KV cache stays on under gradient checkpointing
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), no_autocast(self.model):
                 yield
         finally:
             self.model.train(was_training)
