@@ -55,6 +55,7 @@ bench: setup
 	$(BIN)/python benchmarks/structured_attention.py
 	$(BIN)/python benchmarks/rollout_throughput.py
 	$(BIN)/python benchmarks/kv_forking.py
+	$(BIN)/python benchmarks/decode_kernels.py
 
 ui: setup
 	$(BIN)/python -m flows.ui
