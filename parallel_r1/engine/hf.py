@@ -40,10 +40,9 @@ def _unwrap(model):
 def no_autocast(model):
     """Decode in the weights' own dtype even when called inside a trainer's autocast region.
 
-    TRL calls the rollout function under bf16 autocast when training in bf16; autocast would then
-    cast every fp32 weight matrix to bf16 on every decode step (measured: a GRPO step on
-    SmolLM2-135M went from ~35 s to 132 s, rollouts at 12 tokens/s), and the rollouts would no
-    longer be sampled from the fp32 policy that computes their log-probs.
+    A rollout function may be called inside a trainer's bf16 autocast region; autocast would then
+    cast every fp32 weight matrix to bf16 on every decode step, and the rollouts would no longer
+    be sampled from the fp32 policy that computes their log-probs.
     """
     return torch.autocast(device_type=next(model.parameters()).device.type, enabled=False)
 
