@@ -381,9 +381,9 @@ def train_rl(options: RLOptions, init_dir: str | os.PathLike, rows: Sequence[Map
 
     Weights stay float32 (the optimizer's master copy); with `dtype` bfloat16 the forward/backward
     run under bf16 autocast on a GPU. Not on a CPU, even one with bf16 units: there a SmolLM2-135M
-    GRPO step measured 42.6 s under autocast against 33.2 s in float32 (rollouts 40 vs 70 tokens/s:
-    accelerate wraps the model's forward itself in autocast, so the decode steps cast the weights
-    too). A run with
+    GRPO step measured 42.6 s under autocast against 33.2 s in float32 (rollouts 40 vs 70 tokens/s
+    even with the engine's `no_autocast`; likely because accelerate wraps the model's forward in
+    autocast itself). A run with
     the same fingerprint as the checkpoints in `checkpoint_dir` resumes from the last one (a larger
     max_steps continues it); the folder is removed once the model is in place. `engine_options` go
     to the rollout backend (transformers: max_batch_size, logits_processor).
