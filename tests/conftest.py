@@ -116,3 +116,18 @@ def write_teacher(root: Path, name: str, data: str | bytes) -> Path:
     else:
         path.write_text(data)
     return path
+
+
+def redraw_layer_weights(model, std: float = 0.3, seed: int = 0):
+    """Redraw a random-init model's 2-D layer weights with `std` (in place; returns the model).
+
+    With tied embeddings and the default 0.02 init the residual stream is the input embedding,
+    and greedy decoding just repeats the last token."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for weight in model.model.layers.parameters():
+            if weight.ndim == 2:
+                weight.copy_(torch.randn(weight.shape, generator=generator) * std)
+    return model

@@ -19,6 +19,7 @@ from parallel_r1.engine.kv_pool import GrowingLayer
 from parallel_r1.models import TinyModelConfig, build_tiny_model, load_tokenizer, qwen3_tokenizer_dir
 from parallel_r1.prompts import render_prompt
 from parallel_r1.structure import TagIds, attention_inputs, build_structure
+from tests.conftest import redraw_layer_weights
 
 BLOCK = ("Step one. <Parallel><Path>2 + 2 = 4</Path><Path>two twos make 4</Path></Parallel>\n"
          "<Summary>4</Summary> So 4.")
@@ -29,12 +30,7 @@ def grouped_models():
     tokenizer = load_tokenizer(qwen3_tokenizer_dir())
     model = build_tiny_model(tokenizer, TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                                         num_attention_heads=4, num_key_value_heads=1, head_dim=16))
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for weight in model.model.layers.parameters():
-            if weight.ndim == 2:
-                weight.copy_(torch.randn(weight.shape, generator=generator) * 0.3)
-    model = model.double().eval()
+    model = redraw_layer_weights(model).double().eval()
     grouped = copy.deepcopy(model)
     use_gqa_sdpa(grouped)
     return tokenizer, model, grouped

@@ -26,6 +26,7 @@ from parallel_r1.models import TinyModelConfig, build_tiny_model, load_tokenizer
 from parallel_r1.prompts import chat_messages, render_prompt
 from parallel_r1.structure import TagIds, attention_inputs, build_structure
 from parallel_r1.training.rollout import engine_for_trainer, make_rollout_func
+from tests.conftest import redraw_layer_weights
 
 QUESTIONS = ["What is 2 + 3?", "A farmer has 12 cows and buys 7 more. How many cows does he have?"]
 
@@ -40,11 +41,7 @@ def tiny(tmp_path_factory):
     tokenizer = load_tokenizer(qwen3_tokenizer_dir())
     model = build_tiny_model(tokenizer, TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                                         num_attention_heads=2, num_key_value_heads=1, head_dim=32))
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for weight in model.model.layers.parameters():
-            if weight.ndim == 2:
-                weight.copy_(torch.randn(weight.shape, generator=generator) * 0.3)
+    redraw_layer_weights(model)
     path = tmp_path_factory.mktemp("engine_model")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
