@@ -198,6 +198,64 @@ def summarize(
     }
 
 
+@dataclass(frozen=True)
+class Job:
+    """One sample to generate: the `sample_index`-th response to `problem` of `benchmark`.
+
+    Jobs are the unit the evaluate stage chunks, checkpoints and resumes; `key` names a job's
+    sample in a partial file (the problem itself is not stored there).
+    """
+
+    benchmark: str
+    problem: Mapping[str, Any]
+    sample_index: int
+    prompt_ids: Sequence[int]
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return self.benchmark, str(self.problem["id"]), self.sample_index
+
+
+def benchmark_jobs(tokenizer, benchmarks: Mapping[str, tuple[Sequence[Mapping[str, Any]], int]],
+                   prompt_style: PromptStyle = "parallel") -> list[Job]:
+    """k jobs per problem for {benchmark: (problems, k)}, with the same prompt as training.
+
+    Each problem's prompt is rendered and tokenized once and shared by its k jobs.
+    """
+    from parallel_r1.prompts import render_prompt
+
+    jobs = []
+    for name, (problems, k) in benchmarks.items():
+        for problem in problems:
+            text = render_prompt(tokenizer, problem["question"], prompt_style)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            jobs += [Job(name, problem, index, ids) for index in range(k)]
+    return jobs
+
+
+def generate_jobs(engine, jobs: Sequence[Job]) -> list[Sample]:
+    """One sample per job (in order), all jobs in ONE engine call, whatever their benchmarks.
+
+    Why one call: the engine decodes its rollouts side by side, so a small benchmark (2 AIME
+    problems) costs nearly as much wall time alone as together with the others; batching the
+    jobs of all benchmarks pays the decode loop once instead of once per benchmark.
+    """
+    rollouts = engine.generate([job.prompt_ids for job in jobs], 1) if jobs else []
+    return [Sample(problem_id=str(job.problem["id"]), sample_index=job.sample_index, response=rollout.text,
+                   ground_truth=str(job.problem["ground_truth"]), answer_kind=job.problem["answer_kind"],
+                   completion_tokens=len(rollout.completion_ids), truncated=rollout.truncated)
+            for job, rollout in zip(jobs, rollouts, strict=True)]
+
+
+def by_benchmark(jobs: Sequence[Job], samples: Mapping[tuple[str, str, int], Sample],
+                 names: Iterable[str]) -> dict[str, list[Sample]]:
+    """{benchmark: its samples in job order} from samples keyed by `Job.key`."""
+    grouped: dict[str, list[Sample]] = {name: [] for name in names}
+    for job in jobs:
+        grouped[job.benchmark].append(samples[job.key])
+    return grouped
+
+
 def generate_samples(engine, tokenizer, problems: Sequence[Mapping[str, Any]], k: int,
                      prompt_style: PromptStyle = "parallel") -> list[Sample]:
     """k responses per problem from a rollout engine, with the same prompt as training."""
@@ -208,28 +266,8 @@ def generate_samples(engine, tokenizer, problems: Sequence[Mapping[str, Any]], k
 def generate_benchmark_samples(engine, tokenizer,
                                benchmarks: Mapping[str, tuple[Sequence[Mapping[str, Any]], int]],
                                prompt_style: PromptStyle = "parallel") -> dict[str, list[Sample]]:
-    """{benchmark: samples} for {benchmark: (problems, k)}, every benchmark in ONE engine call.
-
-    Why one call: the engine decodes its rollouts side by side, so a small benchmark (2 AIME
-    problems) costs nearly as much wall time alone as together with the others; batching all of
-    a model's prompts pays the decode loop once instead of once per benchmark.
-    """
-    from parallel_r1.prompts import render_prompt
-
-    jobs: list[tuple[str, Mapping[str, Any], int]] = []
-    prompt_ids: list[list[int]] = []
-    for name, (problems, k) in benchmarks.items():
-        for problem in problems:
-            text = render_prompt(tokenizer, problem["question"], prompt_style)
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            jobs += [(name, problem, index) for index in range(k)]
-            prompt_ids += [ids] * k
-    rollouts = engine.generate(prompt_ids, 1) if prompt_ids else []
-    samples: dict[str, list[Sample]] = {name: [] for name in benchmarks}
-    for (name, problem, index), rollout in zip(jobs, rollouts, strict=True):
-        samples[name].append(Sample(problem_id=str(problem["id"]), sample_index=index, response=rollout.text,
-                                    ground_truth=str(problem["ground_truth"]),
-                                    answer_kind=problem["answer_kind"],
-                                    completion_tokens=len(rollout.completion_ids),
-                                    truncated=rollout.truncated))
-    return samples
+    """{benchmark: samples} for {benchmark: (problems, k)}, every benchmark in ONE engine call
+    (`generate_jobs` says why); the evaluate stage instead calls it per chunk of jobs, to resume."""
+    jobs = benchmark_jobs(tokenizer, benchmarks, prompt_style)
+    samples = dict(zip((job.key for job in jobs), generate_jobs(engine, jobs), strict=True))
+    return by_benchmark(jobs, samples, benchmarks)

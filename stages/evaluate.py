@@ -13,22 +13,48 @@ curve: `scaffold_curve`, one point per step). One process (one engine start) ser
 with vLLM a start costs
 minutes on a GPU node and ~70 s on a CPU, so a process per (model, benchmark) would
 multiply that by the number of benchmarks.
+
+Samples are generated CHUNK at a time (all benchmarks mixed in each engine call) and every finished
+chunk is appended to data/partial/eval/<model>.jsonl (the curve: <run>-step-<n>.jsonl), so a killed
+evaluation resumes where it stopped. The file lies outside the stage's outputs because DVC deletes
+those before it re-runs a stage; it is deleted once the outputs are written.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import sys
 from pathlib import Path
+from typing import Callable, Sequence
+
+from tqdm import tqdm
 
 from parallel_r1 import tracking
 from parallel_r1.engine import RolloutConfig, make_engine
 from parallel_r1.errors import PipelineError
-from parallel_r1.evaluation import generate_benchmark_samples, sample_to_row, summarize
-from parallel_r1.io import read_json, read_jsonl, write_json, write_jsonl
+from parallel_r1.evaluation import (
+    Job,
+    Sample,
+    benchmark_jobs,
+    by_benchmark,
+    generate_jobs,
+    sample_from_row,
+    sample_to_row,
+    summarize,
+)
+from parallel_r1.io import read_json, read_jsonl, read_jsonl_lines, write_json, write_jsonl
 from parallel_r1.models import check_model_dir, load_tokenizer, runs_in_bf16
 from stages.common import load_params, log, section, stage_main
 
 PROBLEM_FIELDS = ("id", "question", "ground_truth", "answer_kind")
+PARTIAL_DIR = Path("data/partial/eval")   # not under data/samples: DVC empties a stage's outs first
+CHUNK = 256                               # samples per engine call: the unit of progress and of resuming
+
+SampleKey = tuple[str, str, int]           # Job.key: (benchmark, problem id, sample index)
 
 
 def rollout_mode(model: str) -> tuple[str, bool, bool]:
@@ -48,8 +74,78 @@ def rollout_mode(model: str) -> tuple[str, bool, bool]:
     return mode["prompt"], mode["variant"] == "unseen", bool(mode["parallel"])
 
 
+def partial_path(model: str, folder: Path) -> Path:
+    """Where the evaluation of `folder` keeps its finished chunks: <model>.jsonl, or <run>-step-<n>.jsonl."""
+    return PARTIAL_DIR / (f"{model}.jsonl" if folder.name == model else f"{model}-{folder.name}.jsonl")
+
+
+def stamp(folder: Path, prompt: str, config: RolloutConfig, dtype: str) -> str:
+    """What a partial sample depends on beyond its key: the checkpoint's files (name, size, mtime) and
+    the sampling settings. A kill, then a retrained model or new settings must not reuse old samples.
+    (Like training.checkpoints.file_signature, not imported: dvc.yaml would list that module as a dep.)"""
+    files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir() if p.is_file())
+    text = json.dumps([files, prompt, dataclasses.asdict(config), dtype], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def read_partial(path: Path) -> list[tuple[int, dict]]:
+    """The rows a killed evaluation appended to `path` (none when there is no file).
+
+    A kill mid-write leaves a last line without its newline: it is cut off the file, with a warning,
+    so that appending goes on from a whole line. Any other bad line is an error naming it.
+    """
+    if not path.is_file():
+        return []
+    data = path.read_bytes()
+    whole = data.rfind(b"\n") + 1
+    if whole < len(data):
+        log.warning(f"{path}: dropping its unfinished last line ({len(data) - whole} bytes, killed "
+                    "mid-write)")
+        os.truncate(path, whole)
+    return read_jsonl_lines(path, required=("benchmark", "stamp"), allow_empty=True) if whole else []
+
+
+def generate_resumably(jobs: Sequence[Job], partial: Path, run_stamp: str, start_engine: Callable,
+                       desc: str) -> dict[SampleKey, Sample]:
+    """{Job.key: sample} for every job, CHUNK per engine call, each finished chunk appended to `partial`.
+
+    Samples already in `partial` are reused when their key is among the jobs and their stamp matches;
+    others (another k, benchmark set, checkpoint or setting) are ignored. The engine is only started
+    when something is left to generate, so a resumed scaffold curve skips its finished snapshots.
+    """
+    keys = {job.key for job in jobs}
+    done: dict[SampleKey, Sample] = {}
+    rows = read_partial(partial)
+    for lineno, row in rows:
+        sample = sample_from_row(row, f"{partial}:{lineno}")
+        key = (row["benchmark"], str(sample.problem_id), sample.sample_index)
+        if row["stamp"] == run_stamp and key in keys:
+            done[key] = sample
+    todo = [job for job in jobs if job.key not in done]
+    if rows:
+        stale = len(rows) - len(done)
+        ignored = f" ({stale} rows of another setting, checkpoint or job set ignored)" if stale else ""
+        log.info(f"resuming: {len(done)} samples already in {partial}, {len(todo)} to go{ignored}")
+    if not todo:
+        return done
+    engine = start_engine()
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with open(partial, "a", encoding="utf-8") as sink:
+            for start in tqdm(range(0, len(todo), CHUNK), desc=desc, unit="chunk", file=sys.stdout):
+                chunk = todo[start:start + CHUNK]
+                for job, sample in zip(chunk, generate_jobs(engine, chunk), strict=True):
+                    done[job.key] = sample
+                    row = {"benchmark": job.benchmark, "stamp": run_stamp, **dataclasses.asdict(sample)}
+                    sink.write(json.dumps(row, ensure_ascii=False) + "\n")
+                sink.flush()
+    finally:
+        engine.close()
+    return done
+
+
 def evaluate_folder(model: str, folder: Path, benchmarks: dict[str, int], params: dict) -> dict[str, tuple]:
-    """{benchmark: (metrics, sample rows)} for the checkpoint in `folder`."""
+    """{benchmark: (metrics, sample rows)} for the checkpoint in `folder`, resuming from its partial file."""
     settings = section(params, "evaluate")
     prompt, structured, parallel = rollout_mode(model)
     problems = {name: read_jsonl(f"data/eval/{name}.jsonl", required=PROBLEM_FIELDS) for name in benchmarks}
@@ -62,28 +158,26 @@ def evaluate_folder(model: str, folder: Path, benchmarks: dict[str, int], params
                            num_paths=int(rl.get("num_paths", 2)), max_blocks=int(rl.get("max_blocks", 4)),
                            seed=int(params.get("seed", 0)))
     dtype = str(section(params, "model").get("dtype", "float32"))
-    engine = make_engine(settings.get("engine", "auto"), folder, tokenizer, config,
-                         dtype=dtype if runs_in_bf16(dtype) else "float32",
-                         gpu_memory_utilization=settings.get("gpu_memory_utilization"),
-                         enforce_eager=settings.get("enforce_eager"))
+    dtype = dtype if runs_in_bf16(dtype) else "float32"
+
+    def start_engine():
+        return make_engine(settings.get("engine", "auto"), folder, tokenizer, config, dtype=dtype,
+                           gpu_memory_utilization=settings.get("gpu_memory_utilization"),
+                           enforce_eager=settings.get("enforce_eager"))
+
+    jobs = benchmark_jobs(tokenizer, {name: (problems[name], k) for name, k in benchmarks.items()}, prompt)
+    samples = generate_resumably(jobs, partial_path(model, folder), stamp(folder, prompt, config, dtype),
+                                 start_engine, f"evaluate {model}")
     checker = settings.get("checker", "paper")
     results = {}
-    try:
-        generated = generate_benchmark_samples(engine, tokenizer,
-                                               {name: (problems[name], k) for name, k in benchmarks.items()},
-                                               prompt)
-        for name, k in benchmarks.items():
-            samples = generated[name]
-            metrics = summarize(samples, k, model=model, benchmark=name, profile=params["profile"],
-                                checker=checker, tokenizer=tokenizer)
-            rows = [sample_to_row(s, checker, tokenizer) for s in samples]
-            results[name] = (metrics, rows)
-            log.info(f"{model} {name}: mean@{k} {metrics['mean_at_k']:.3f}, pass@{k} "
-                  f"{metrics['pass_at_k']:.3f}, "
-                  f"parallel {metrics['parallel_ratio']:.2f}, truncated "
-                  f"{metrics['truncated']}/{metrics['n_samples']}")
-    finally:
-        engine.close()
+    for name, generated in by_benchmark(jobs, samples, benchmarks).items():
+        k = benchmarks[name]
+        metrics = summarize(generated, k, model=model, benchmark=name, profile=params["profile"],
+                            checker=checker, tokenizer=tokenizer)
+        results[name] = (metrics, [sample_to_row(s, checker, tokenizer) for s in generated])
+        log.info(f"{model} {name}: mean@{k} {metrics['mean_at_k']:.3f}, pass@{k} {metrics['pass_at_k']:.3f}, "
+                 f"parallel {metrics['parallel_ratio']:.2f}, truncated {metrics['truncated']}/"
+                 f"{metrics['n_samples']}")
     return results
 
 
@@ -120,6 +214,7 @@ def evaluate_model(model: str, params: dict) -> None:
             write_json(f"metrics/eval/{model}/{name}.json", metrics)
             write_jsonl(f"data/samples/{model}/{name}.jsonl", rows)
             tracking.log_metrics(tracked_metrics(name, metrics))
+        partial_path(model, folder).unlink(missing_ok=True)
         tracking.log_model_reference(folder)
 
 
@@ -145,6 +240,8 @@ def evaluate_curve(run: str, params: dict) -> None:
     write_json(f"metrics/curves/{run}.json", {"benchmark": benchmark, "k": k, "profile": params["profile"],
                                               "switch_step": switch_step,
                                               "points": points})
+    for folder in snapshots:   # kept until now: a killed curve resumes without redoing finished snapshots
+        partial_path(run, folder).unlink(missing_ok=True)
 
 
 @stage_main

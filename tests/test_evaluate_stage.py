@@ -6,6 +6,7 @@ import json
 import re
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -102,3 +103,171 @@ def test_corrupt_checkpoint_is_one_line(inside, capsys):
     with pytest.raises(SystemExit):
         main(["sft_seen"])
     assert "models/sft_seen: no weights" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- resuming a killed evaluation
+
+
+def counting_engines(monkeypatch, kill_at: int | None = None) -> SimpleNamespace:
+    """Engines the stage starts (`starts`) and prompts per `generate` call of all of them (`calls`);
+    call number `kill_at` raises KeyboardInterrupt instead (a kill between two chunks)."""
+    import stages.evaluate as stage
+    from parallel_r1.engine import make_engine as real
+
+    calls: list[int] = []
+    seen = SimpleNamespace(calls=calls, starts=0)
+
+    def make_engine(*args, **kwargs):
+        seen.starts += 1
+        engine = real(*args, **kwargs)
+        generate = engine.generate
+
+        def counted(prompt_ids, num_generations=1):
+            if len(calls) + 1 == kill_at:
+                raise KeyboardInterrupt
+            calls.append(len(prompt_ids))
+            return generate(prompt_ids, num_generations)
+
+        engine.generate = counted
+        return engine
+
+    monkeypatch.setattr(stage, "make_engine", make_engine)
+    return seen
+
+
+def test_killed_evaluation_resumes_where_it_stopped(inside, monkeypatch, capsys):
+    import stages.evaluate as stage
+    from stages.common import load_params
+
+    monkeypatch.setattr(stage, "CHUNK", 2)
+    for out in ("data/samples/base", "metrics/eval/base"):   # as DVC does before it re-runs the stage
+        shutil.rmtree(inside / out, ignore_errors=True)
+    partial = inside / "data/partial/eval/base.jsonl"
+    first = json.loads((inside / "data/eval/aime24.jsonl").open().readline())["id"]
+    counting_engines(monkeypatch, kill_at=2)
+    with pytest.raises(KeyboardInterrupt):
+        stage.main(["base"])
+    assert not (inside / "data/samples/base").exists()
+    kept = [json.loads(line) for line in partial.open()]
+    keys = [(r["benchmark"], r["problem_id"], r["sample_index"]) for r in kept]
+    assert keys == [("aime24", str(first), 0), ("aime24", str(first), 1)]
+    capsys.readouterr()
+    calls = counting_engines(monkeypatch).calls
+    stage.main(["base"])
+    ks = stage.benchmark_ks(load_params())
+    total = sum(2 * k for k in ks.values())   # 2 problems per benchmark in the tiny profile
+    assert sum(calls) == total - 2 and max(calls) == 2   # only what the kill left, in chunks of 2
+    assert f"resuming: 2 samples already in data/partial/eval/base.jsonl, {total - 2} to go" in (
+        capsys.readouterr().out)
+    assert not partial.exists()
+    for benchmark, k in ks.items():   # what an uninterrupted run writes: every problem's k samples
+        ids = [str(json.loads(line)["id"]) for line in (inside / "data/eval" / f"{benchmark}.jsonl").open()]
+        rows = [json.loads(line) for line in (inside / "data/samples/base" / f"{benchmark}.jsonl").open()]
+        assert [(r["problem_id"], r["sample_index"]) for r in rows] == [(i, s) for i in ids for s in range(k)]
+        metrics = json.loads((inside / "metrics/eval/base" / f"{benchmark}.json").read_text())
+        assert (metrics["n_problems"], metrics["n_samples"]) == (2, 2 * k)
+        if benchmark == "aime24":   # the kept chunk is reused, not generated again
+            assert [r["response"] for r in rows[:2]] == [r["response"] for r in kept]
+
+
+def test_killed_scaffold_curve_resumes_without_redoing_a_finished_snapshot(inside, monkeypatch, capsys):
+    import stages.evaluate as stage
+
+    run = inside / "models/scaffold"
+    shutil.rmtree(run, ignore_errors=True)
+    for step in (1, 2):
+        shutil.copytree(inside / "models/base", run / "steps" / f"step-{step}")
+    (run / "rollout.json").write_text(json.dumps({"prompt": "parallel", "variant": "seen", "parallel": True}))
+    counting_engines(monkeypatch, kill_at=2)   # step-1 is done in one call, the kill hits step-2
+    with pytest.raises(KeyboardInterrupt):
+        stage.main(["scaffold", "--curve"])
+    partial = inside / "data/partial/eval"
+    assert len((partial / "scaffold-step-1.jsonl").read_text().splitlines()) == 4   # aime25: k=2, 2 problems
+    capsys.readouterr()
+    engines = counting_engines(monkeypatch)
+    stage.main(["scaffold", "--curve"])
+    assert (engines.starts, engines.calls) == (1, [4])   # step-2 only: no engine starts for step-1
+    assert "resuming: 4 samples already in data/partial/eval/scaffold-step-1.jsonl, 0 to go" in (
+        capsys.readouterr().out)
+    curve = json.loads((inside / "metrics/curves/scaffold.json").read_text())
+    assert [point["step"] for point in curve["points"]] == [1, 2]
+    assert not list(partial.glob("scaffold-*"))
+
+
+def partial_job(benchmark: str, problem_id: str, index: int):
+    from parallel_r1.evaluation import Job
+
+    problem = {"id": problem_id, "question": "q", "ground_truth": "4", "answer_kind": "gsm8k"}
+    return Job(benchmark, problem, index, [1, 2, 3])
+
+
+def partial_row(job, stamp: str = "s1", response: str = "old") -> str:
+    row = {"benchmark": job.benchmark, "stamp": stamp, "problem_id": job.key[1],
+           "sample_index": job.sample_index, "response": response, "ground_truth": "4",
+           "answer_kind": "gsm8k", "completion_tokens": 3, "truncated": False}
+    return json.dumps(row) + "\n"
+
+
+class FakeEngine:
+    def __init__(self):
+        self.prompts = 0
+        self.closed = False
+
+    def generate(self, prompt_ids, num_generations):
+        self.prompts += len(prompt_ids)
+        return [SimpleNamespace(text="new", completion_ids=[7], truncated=False) for _ in prompt_ids]
+
+    def close(self):
+        self.closed = True
+
+
+def test_resume_reuses_matching_rows_and_drops_an_unfinished_last_line(tmp_path, capsys):
+    from stages.common import setup_logging
+    from stages.evaluate import generate_resumably, read_partial
+
+    setup_logging()
+    jobs = [partial_job("aime24", "1", i) for i in range(2)] + [partial_job("math", "2", 0)]
+    partial = tmp_path / "base.jsonl"
+    partial.write_text(partial_row(jobs[0]) + partial_row(jobs[1], stamp="old model")
+                       + partial_row(partial_job("aime24", "1", 5)) + partial_row(jobs[2])[:40])
+    engine = FakeEngine()
+    samples = generate_resumably(jobs, partial, "s1", lambda: engine, "evaluate base")
+    out = capsys.readouterr().out
+    assert "dropping its unfinished last line (40 bytes, killed mid-write)" in out
+    assert "resuming: 1 samples already in" in out and "2 to go (2 rows of another setting" in out
+    assert engine.prompts == 2 and engine.closed
+    assert [samples[job.key].response for job in jobs] == ["old", "new", "new"]
+    assert len(read_partial(partial)) == 5   # the cut line is gone, so the appended rows read back whole
+
+
+def test_nothing_left_to_generate_starts_no_engine(tmp_path):
+    from stages.evaluate import generate_resumably
+
+    jobs = [partial_job("aime24", "1", 0)]
+    partial = tmp_path / "base.jsonl"
+    partial.write_text(partial_row(jobs[0]))
+
+    def start_engine():
+        raise AssertionError("the engine was started")
+
+    samples = generate_resumably(jobs, partial, "s1", start_engine, "evaluate base")
+    assert samples[jobs[0].key].response == "old"
+
+
+def test_corrupt_partial_line_in_the_middle_is_one_line(tmp_path):
+    from parallel_r1.errors import PipelineError
+    from stages.evaluate import read_partial
+
+    partial = tmp_path / "base.jsonl"
+    job = partial_job("aime24", "1", 0)
+    partial.write_text(partial_row(job) + partial_row(job)[:30] + "\n" + partial_row(job))
+    with pytest.raises(PipelineError, match=r"^\S*base.jsonl:2: not valid JSON \(.*\); truncated file\?$"):
+        read_partial(partial)
+
+
+def test_partial_files_lie_outside_the_stage_outputs():
+    from stages.evaluate import partial_path
+
+    assert partial_path("base", Path("models/base")) == Path("data/partial/eval/base.jsonl")
+    assert partial_path("scaffold", Path("models/scaffold/steps/step-40")) == Path(
+        "data/partial/eval/scaffold-step-40.jsonl")

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from fractions import Fraction
 from math import comb
+from types import SimpleNamespace
 
 import pytest
 
 from parallel_r1.errors import PipelineError
 from parallel_r1.evaluation import (
-    METRIC_KEYS, Sample, ScoredSample, mean_at_k, pass_at_k, sample_from_row, sample_to_row, score_sample,
-    summarize,
+    METRIC_KEYS, Sample, ScoredSample, benchmark_jobs, generate_benchmark_samples, generate_jobs, mean_at_k,
+    pass_at_k, sample_from_row, sample_to_row, score_sample, summarize,
 )
 
 BLOCK = "<Parallel><Path>a</Path><Path>b</Path></Parallel><Summary>s</Summary>"  # 69 characters
@@ -154,3 +155,44 @@ def test_summarize_rejects_duplicate_sample_index():
     samples = five_samples() + [sample("p1", 1, "Final Answer: 4")]
     with pytest.raises(PipelineError, match="problem 'p1' has sample_index 1 twice"):
         summarize(samples, 2, model="m", benchmark="b", profile="tiny")
+
+
+# ---------------------------------------------------------------- jobs and generation
+
+
+class EchoEngine:
+    """Answers each prompt with its length; records the prompts of every `generate` call."""
+
+    def __init__(self):
+        self.calls: list[list] = []
+
+    def generate(self, prompt_ids, num_generations):
+        assert num_generations == 1
+        self.calls.append(list(prompt_ids))
+        return [SimpleNamespace(text=f"Final Answer: {len(ids)}", completion_ids=[0, 1, 2],
+                                truncated=False) for ids in prompt_ids]
+
+
+PROBLEMS = {"aime": [{"id": 1, "question": "1+1?", "ground_truth": "2", "answer_kind": "aime"},
+                     {"id": 2, "question": "2+2?", "ground_truth": "4", "answer_kind": "aime"}],
+            "math": [{"id": "m", "question": "What is 3+3?", "ground_truth": "6", "answer_kind": "math"}]}
+
+
+def test_benchmark_jobs_are_k_per_problem_in_order_sharing_one_prompt(tokenizer):
+    jobs = benchmark_jobs(tokenizer, {"aime": (PROBLEMS["aime"], 2), "math": (PROBLEMS["math"], 1)})
+    assert [job.key for job in jobs] == [("aime", "1", 0), ("aime", "1", 1), ("aime", "2", 0),
+                                         ("aime", "2", 1), ("math", "m", 0)]
+    assert jobs[0].prompt_ids is jobs[1].prompt_ids and jobs[0].prompt_ids != jobs[2].prompt_ids
+
+
+def test_benchmarks_share_one_engine_call_and_chunks_give_the_same_samples(tokenizer):
+    benchmarks = {"aime": (PROBLEMS["aime"], 2), "math": (PROBLEMS["math"], 1)}
+    engine = EchoEngine()
+    together = generate_benchmark_samples(engine, tokenizer, benchmarks)
+    assert len(engine.calls) == 1 and len(engine.calls[0]) == 5
+    assert [len(together[name]) for name in benchmarks] == [4, 1]
+    jobs = benchmark_jobs(tokenizer, benchmarks)
+    chunked = generate_jobs(engine, jobs[:3]) + generate_jobs(engine, jobs[3:])
+    assert chunked == together["aime"] + together["math"]
+    assert chunked[4] == Sample("m", 0, f"Final Answer: {len(jobs[4].prompt_ids)}", "6", "math", 3, False)
+    assert generate_jobs(engine, []) == [] and len(engine.calls) == 3   # no call for no jobs
