@@ -137,12 +137,11 @@ def grpo_checks(folder: Path, work: Path, engine_kind: str, variant: str, device
     generations = 4 if device == "cuda" else 2
     rl = {"lr": 1e-4, "engine": engine_kind, "max_completion_tokens": 96 if device == "cuda" else 24,
           "per_device_batch_size": 4, "save_steps": 1, "gradient_checkpointing": device == "cuda",
-          "vllm_gpu_memory_utilization": 0.3, "vllm_importance_sampling_correction": False,
-          "datasets": {"gsm8k": {"batch_size": 2, "mini_batch_size": 1, "num_generations": generations,
-                                 "max_steps": 2}}}
+          "vllm_gpu_memory_utilization": 0.3, "vllm_importance_sampling_correction": False}
+    shape = {"batch_size": 2, "mini_batch_size": 1, "num_generations": generations, "max_steps": 2}
     run = {"init": "base", "dataset": "gsm8k", "reward": "accuracy", "variant": variant, "prompt": "parallel",
            "parallel": True}
-    options = RLOptions.from_sections(f"smoke_{variant}", rl, run)
+    options = RLOptions(run=f"smoke_{variant}", **rl, **shape, **run)
     config = grpo_config(options, work / "config")
     report(f"grpo {variant}: importance-sampling weight off",
            not (config.use_vllm and config.vllm_importance_sampling_correction), f"use_vllm={config.use_vllm}")
@@ -171,10 +170,10 @@ def sft_checks(folder: Path, work: Path, device: str) -> None:
     from parallel_r1.training.sft import SFTOptions, train_sft
 
     section = {"batch_size": 4, "per_device_batch_size": 2, "lr": 1e-4, "weight_decay": 0.0, "warmup_ratio": 0.0,
-               "lr_scheduler": "constant", "max_length": 256, "max_steps": {"seen": 2, "unseen": 2},
+               "lr_scheduler": "constant", "max_length": 256, "max_steps": 2,
                "attention_backend": "flex" if device == "cuda" else "dense", "gradient_checkpointing": False,
                "save_steps": 2, "probe_questions": 0}
-    options = SFTOptions.from_params(section, "unseen")
+    options = SFTOptions(variant="unseen", **section)
     result = train_sft(options, folder, SFT_ROWS, work / "models/sft_unseen", work / "checkpoints/sft_unseen",
                        dtype="bfloat16" if device == "cuda" else "float32")
     report(f"sft unseen ({section['attention_backend']}): 2 steps",

@@ -1,8 +1,11 @@
-"""Typed stage options: build documented dataclasses from plain mappings, with clear errors.
+"""Typed options, built and validated one way: documented dataclasses with clear errors.
 
-Stage scripts read params.yaml and hand a section to `from_mapping`; the library only
-ever sees the dataclass. A wrong key, type or range stops with one line naming the
-param (e.g. `params.yaml sft.max_steps: must be >= 1, got -3`).
+Every options class calls `check_fields(self)` in its `__post_init__` (types and the fields'
+`min` metadata; cross-field checks follow there), so an object built in code and one built from
+params are checked alike, and each message starts with the field's name. The stage layer merges
+params.yaml's sections (stages/common.py) and hands the result to `from_mapping`, which adds
+unknown/missing-key checks and prefixes every message with where the values came from (e.g.
+`params.yaml sft.max_steps: must be >= 1, got -3`); the library never names params.yaml.
 """
 
 from __future__ import annotations
@@ -44,25 +47,36 @@ def _accepts(annotation: Any, value: Any) -> bool:
     return True
 
 
-def from_mapping(cls: type[T], values: Mapping[str, Any] | None, where: str) -> T:
-    """Instantiate dataclass `cls` from `values`, checking keys, types and `min` metadata."""
+def check_fields(instance: DataclassInstance) -> None:
+    """Each field's type and `min` metadata; the message starts with the field name."""
+    hints = typing.get_type_hints(type(instance))
+    for spec in dataclasses.fields(instance):
+        value = getattr(instance, spec.name)
+        if not _accepts(hints[spec.name], value):
+            raise PipelineError(f"{spec.name}: expected {_describe(hints[spec.name])}, got {value!r}")
+        minimum = spec.metadata.get("min")
+        if minimum is not None and value is not None and value < minimum:
+            raise PipelineError(f"{spec.name}: must be >= {minimum}, got {value!r}")
+
+
+def from_mapping(cls: type[T], values: Mapping[str, Any] | None, where: str,
+                 origins: Mapping[str, str] | None = None) -> T:
+    """Instantiate dataclass `cls` from `values`; every error is one line starting with where the
+    failing value came from: `origins[field]` for values merged from several sections, else `where`."""
     values = dict(values or {})
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(values) - set(fields))
     if unknown:
         raise PipelineError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(sorted(fields))})")
-    hints = typing.get_type_hints(cls)
-    for name, value in values.items():
-        if not _accepts(hints[name], value):
-            raise PipelineError(f"{where}.{name}: expected {_describe(hints[name])}, got {value!r}")
-        minimum = fields[name].metadata.get("min")
-        if minimum is not None and value is not None and value < minimum:
-            raise PipelineError(f"{where}.{name}: must be >= {minimum}, got {value!r}")
     missing = [n for n, f in fields.items() if n not in values and f.default is dataclasses.MISSING
                and f.default_factory is dataclasses.MISSING]
     if missing:
         raise PipelineError(f"{where}: missing key {missing[0]!r}")
-    return cls(**values)
+    try:
+        return cls(**values)
+    except PipelineError as err:   # the class names the field; the caller knows where it came from
+        name = str(err).split(":", 1)[0]
+        raise PipelineError(f"{(origins or {}).get(name, where)}.{err}") from None
 
 
 def _describe(annotation: Any) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from parallel_r1.config import check_fields
 from parallel_r1.format import FormatStats, check_format
 from parallel_r1.rewards import extract_final_answer, gsm8k_number, strip_tags
 
@@ -20,6 +21,9 @@ class FilterConfig:
     sft_dataset: str = "gsm8k"
     require_numeric_answer: bool = True
     max_tokens: int | None = field(default=4096, metadata={"min": 1})
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 @dataclass

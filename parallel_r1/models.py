@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from parallel_r1.config import check_fields
 from parallel_r1.errors import PipelineError
 from parallel_r1.format import TAGS
 from parallel_r1.io import atomic_path, read_json
@@ -47,6 +48,9 @@ class TinyModelConfig:
     head_dim: int = field(default=32, metadata={"min": 8})
     max_position_embeddings: int = field(default=4096, metadata={"min": 64})
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 def qwen3_tokenizer_dir() -> Path:

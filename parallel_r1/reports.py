@@ -24,6 +24,7 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
+from parallel_r1.config import check_fields
 from parallel_r1.errors import PipelineError
 from parallel_r1.io import atomic_path
 
@@ -95,6 +96,9 @@ class ReportOptions:
                                                              "parallel_r1_unseen_s2"])
     reward_schedule_runs: list[str] = field(default_factory=lambda: [
         "parallel_r1_unseen_s1", "parallel_r1_unseen_parallel_only", "parallel_r1_unseen_s2", "scaffold"])
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 @functools.cache

@@ -26,13 +26,13 @@ batch of step s while `global_step` still counts the (s - 1) x updates_per_step 
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from typing import Any, Callable, Mapping
 
+from parallel_r1.config import check_fields
 from parallel_r1.errors import PipelineError
 from parallel_r1.format import PARALLEL_OPEN, TAG_PATTERN, is_parallel
 
@@ -168,10 +168,6 @@ PARALLEL_ONLY = "parallel_only"
 REWARD_TYPES = (ACCURACY, PARALLEL_TIMES_ACCURACY, TIERED, PARALLEL_ONLY)
 
 
-# RewardConfig's field annotations (strings under `from __future__ import annotations`) -> accepted types
-_FIELD_KINDS: dict[str, type | tuple[type, ...]] = {"str": str, "int": int, "float": (int, float)}
-
-
 @dataclass(frozen=True)
 class RewardConfig:
     """Knobs of every reward and schedule (the stage reads SHARED_KNOBS and the schedule's SCHEDULE_KNOBS).
@@ -199,39 +195,17 @@ class RewardConfig:
     incorrect_reward: float = -1.0
     tiered_parallel_reward: float = 1.2
     tiered_correct_reward: float = 1.0
-    window: int = 10
-    tiered_steps: int = 2
-    switch_step: int = 200
+    window: int = field(default=10, metadata={"min": 1})
+    tiered_steps: int = field(default=2, metadata={"min": 0})
+    switch_step: int = field(default=200, metadata={"min": 0})
 
     def __post_init__(self) -> None:
-        _check_reward_values(dataclasses.asdict(self), "reward config")
-
-    @classmethod
-    def from_params(cls, params: Mapping[str, Any], where: str = "reward params") -> RewardConfig:
-        """Build from a params mapping; a bad key or value is an error naming `where.<key>`."""
-        known = {f.name: f.default for f in dataclasses.fields(cls)}
-        unknown = sorted(set(params) - set(known))
-        if unknown:
-            raise PipelineError(f"{where}: unknown keys {unknown}; known keys are {sorted(known)}")
-        _check_reward_values({**known, **params}, where)
-        return cls(**params)
-
-
-def _check_reward_values(values: Mapping[str, Any], where: str) -> None:
-    """RewardConfig's checks on plain values, so each message carries the param path (`<where>.window`)."""
-    for spec in dataclasses.fields(RewardConfig):
-        value, kinds = values[spec.name], _FIELD_KINDS[str(spec.type)]
-        if isinstance(value, bool) or not isinstance(value, kinds):
-            raise PipelineError(f"{where}.{spec.name}: must be {spec.type}, got {value!r}")
-    if values["checker"] not in CHECKERS:
-        raise PipelineError(f"{where}.checker: {values['checker']!r} is unknown; expected one of {CHECKERS}")
-    if values["window"] < 1:
-        raise PipelineError(f"{where}.window: must be >= 1, got {values['window']}")
-    if not 0 <= values["tiered_steps"] <= values["window"]:
-        raise PipelineError(f"{where}.tiered_steps: must be in [0, window={values['window']}], "
-                            f"got {values['tiered_steps']}")
-    if values["switch_step"] < 0:
-        raise PipelineError(f"{where}.switch_step: must be >= 0, got {values['switch_step']}")
+        check_fields(self)
+        if self.checker not in CHECKERS:
+            raise PipelineError(f"checker: {self.checker!r} is unknown; expected one of {CHECKERS}")
+        if self.tiered_steps > self.window:
+            raise PipelineError(f"tiered_steps: must be in [0, window={self.window}], "
+                                f"got {self.tiered_steps}")
 
 
 def _alternating(step: int, config: RewardConfig) -> str:

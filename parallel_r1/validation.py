@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Literal
 
 import pandas as pd
 
+from parallel_r1.config import check_fields
 from parallel_r1.format import (
     PARALLEL_CLOSE,
     PARALLEL_OPEN,
@@ -101,6 +102,9 @@ class ValidationConfig:
     sft_max_tokens: int = field(default=4096, metadata={"min": 1})
     max_offending_rows: int = field(default=5, metadata={"min": 1})
     max_value_chars: int = field(default=120, metadata={"min": 10})
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 # ---------------------------------------------------------------- derived columns

@@ -151,11 +151,10 @@ def evaluate_folder(model: str, folder: Path, benchmarks: dict[str, int], params
     problems = {name: read_jsonl(f"data/eval/{name}.jsonl", required=PROBLEM_FIELDS) for name in benchmarks}
     check_model_dir(folder)
     tokenizer = load_tokenizer(folder)
-    rl = params.get("rl", {})
     config = RolloutConfig(parallel=parallel, structured=structured,
                            temperature=float(settings["temperature"]),
                            top_p=float(settings["top_p"]), max_tokens=int(settings["max_tokens"]),
-                           num_paths=int(rl.get("num_paths", 2)), max_blocks=int(rl.get("max_blocks", 4)),
+                           num_paths=int(settings["num_paths"]), max_blocks=int(settings["max_blocks"]),
                            seed=int(params.get("seed", 0)))
     dtype = str(section(params, "model").get("dtype", "float32"))
     dtype = dtype if runs_in_bf16(dtype) else "float32"

@@ -21,9 +21,11 @@ every rl.save_steps; re-running a killed run resumes from the last one.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 from parallel_r1 import tracking
+from parallel_r1.config import from_mapping
 from parallel_r1.errors import PipelineError
 from parallel_r1.io import read_jsonl, write_json
 from parallel_r1.models import check_model_dir
@@ -32,16 +34,45 @@ from parallel_r1.training.grpo import RLOptions, RLResult, train_rl
 from stages.common import load_params, log, section, stage_main
 
 PROBLEM_FIELDS = ("id", "question", "ground_truth", "answer_kind")
+# Which RLOptions fields each params.yaml section sets (the rest: the stage, or defaults).
+RUN_KEYS = ("init", "dataset", "reward", "variant", "prompt", "parallel", "epsilon_high", "snapshots")
+DATASET_KEYS = ("batch_size", "num_generations", "max_steps", "mini_batch_size")
+SHARED_KEYS = tuple(f.name for f in dataclasses.fields(RLOptions)
+                    if f.name not in (*RUN_KEYS, *DATASET_KEYS, "run", "seed", "snapshot_every"))
 # How the model generates, saved with it: evaluate@<run> reads it from models/<run> (its declared dep)
 # instead of params.yaml rl_runs, so an evaluation depends on the model it evaluates and nothing more.
 ROLLOUT_RECORD = "rollout.json"
 
 
 def rl_options(params: dict, run: str) -> RLOptions:
-    """The run's options: `rl` (every run), `rl_datasets.<its dataset>` and its own `rl_runs` entry."""
-    rl = {**section(params, "rl"), "datasets": section(params, "rl_datasets")}
-    return RLOptions.from_sections(run, rl, section(params, "rl_runs", run), seed=int(params.get("seed", 0)),
-                                   snapshot_every=section(params, "scaffold_curve").get("every"))
+    """The run's options: `rl` (every run), `rl_datasets.<its dataset>` and its own `rl_runs` entry.
+
+    Each section may hold only its own keys, so an error names the section to fix.
+    """
+    entry = section(params, "rl_runs", run)
+    if not isinstance(entry, dict):
+        raise PipelineError(f"params.yaml rl_runs.{run}: expected a mapping, got {entry!r}")
+    datasets = section(params, "rl_datasets")
+    dataset = entry.get("dataset")
+    if dataset not in datasets:
+        raise PipelineError(f"params.yaml rl_runs.{run}.dataset: {dataset!r} has no entry in rl_datasets "
+                            f"(known: {', '.join(datasets) or 'none'})")
+    layers = {f"params.yaml rl_runs.{run}": (entry, RUN_KEYS),
+              f"params.yaml rl_datasets.{dataset}": (datasets[dataset] or {}, DATASET_KEYS),
+              "params.yaml rl": (section(params, "rl"), SHARED_KEYS)}
+    origins = {}
+    for where, (values, allowed) in layers.items():
+        unknown = sorted(set(values) - set(allowed))
+        if unknown:
+            raise PipelineError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(allowed)})")
+        origins.update({key: where for key in values})
+    values = {**section(params, "rl"), **(datasets[dataset] or {}), **entry, "run": run,
+              "seed": int(params.get("seed", 0))}
+    every = section(params, "scaffold_curve").get("every")
+    if every is not None:
+        values["snapshot_every"] = every
+        origins["snapshot_every"] = "params.yaml scaffold_curve.every"
+    return from_mapping(RLOptions, values, f"params.yaml rl_runs.{run}", origins)
 
 
 def reward_config(params: dict, schedule: str) -> RewardConfig:
@@ -54,8 +85,8 @@ def reward_config(params: dict, schedule: str) -> RewardConfig:
         if unknown:
             raise PipelineError(f"params.yaml {where}: unknown key {unknown[0]!r} "
                                 f"(read here: {', '.join(allowed) or 'none'})")
-    RewardConfig.from_params(shared, "params.yaml rewards")
-    return RewardConfig.from_params({**shared, **knobs}, f"params.yaml reward_schedules.{schedule}")
+    return from_mapping(RewardConfig, {**shared, **knobs}, f"params.yaml reward_schedules.{schedule}",
+                        origins={key: "params.yaml rewards" for key in shared})
 
 
 def summarize(run: str, options: RLOptions, result: RLResult, wall_seconds: float) -> dict:

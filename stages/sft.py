@@ -21,6 +21,7 @@ import time
 from contextlib import nullcontext
 
 from parallel_r1 import tracking
+from parallel_r1.config import from_mapping
 from parallel_r1.data import load_problems
 from parallel_r1.io import read_jsonl, write_json
 from parallel_r1.training.probe import probe_parallel_blocks
@@ -28,6 +29,14 @@ from parallel_r1.training.sft import VARIANTS, SFTOptions, train_sft
 from stages.common import is_main_process, load_params, log, section, stage_main
 
 PROBE_SET = "gsm8k_test"  # held out: SFT trains on GSM8K train questions
+
+
+def sft_options(params: dict, variant: str) -> SFTOptions:
+    """`sft` (both variants) + `sft_variants.<variant>` (this variant's steps) + the run's seed."""
+    shared, own = section(params, "sft"), section(params, "sft_variants", variant) or {}
+    values = {**shared, **own, "variant": variant, "seed": int(params.get("seed", 0))}
+    return from_mapping(SFTOptions, values, f"params.yaml sft_variants.{variant}",
+                        origins={key: "params.yaml sft" for key in shared if key not in own})
 
 
 @stage_main
@@ -43,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     # default: gsm8k)
     sft_dataset = (params.get("filter") or {}).get("sft_dataset", "gsm8k")
     sft_data = args.data or f"data/sft/parallel_{sft_dataset}.jsonl"
-    options = SFTOptions.from_params(section(params, "sft"), variant, seed=int(params.get("seed", 0)))
+    options = sft_options(params, variant)
     rows = read_jsonl(sft_data, required=("question", "completion"), allow_empty=True)
     run = tracking.stage_run(stage="sft", config=variant, params=params, tags={"variant": variant}) \
         if is_main_process() else nullcontext()

@@ -139,10 +139,11 @@ def test_missing_completion_is_reported_as_missing_not_as_a_wrong_type(workdir, 
     ("checker", "exact", "params.yaml rewards.checker: 'exact' is unknown"),
 ])
 def test_reward_param_errors_name_the_param_path(key, value, message):
+    from parallel_r1.config import from_mapping
     from parallel_r1.rewards import RewardConfig
 
     with pytest.raises(PipelineError) as error:
-        RewardConfig.from_params({"window": 2, "tiered_steps": 1, key: value}, "params.yaml rewards")
+        from_mapping(RewardConfig, {"window": 2, "tiered_steps": 1, key: value}, "params.yaml rewards")
     assert str(error.value).startswith(message)
 
 

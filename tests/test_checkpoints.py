@@ -104,10 +104,9 @@ base = tmp + "/base"
 if not os.path.isdir(base):
     prepare_base_model("tiny", base, tiny=tiny)
 demos = [r for r in load_teacher_demos(mirror, limit=40) if check_format(r["completion"])][:4]
-options = SFTOptions.from_params(dict(batch_size=2, per_device_batch_size=2, lr=1e-2, weight_decay=0.0,
-    warmup_ratio=0.0, lr_scheduler="constant", max_length=288, max_steps={"seen": 3},
-    attention_backend="dense",
-    gradient_checkpointing=False, save_steps=1, probe_questions=1, probe_max_tokens=4), "seen")
+options = SFTOptions(variant="seen", batch_size=2, per_device_batch_size=2, lr=1e-2, weight_decay=0.0,
+    warmup_ratio=0.0, lr_scheduler="constant", max_length=288, max_steps=3, attention_backend="dense",
+    gradient_checkpointing=False, save_steps=1, probe_questions=1, probe_max_tokens=4)
 result = train_sft(options, base, demos, tmp + "/out", tmp + "/checkpoints")
 print("RESUMED_FROM", result.resumed_from, "STEPS", [e["step"] for e in result.loss_history])
 """

@@ -230,6 +230,19 @@ def test_an_evaluation_k_makes_only_evaluations_stale(locked_repo, params_restor
     assert stale_stages(locked_repo) == expected
 
 
+@pytest.mark.slow
+def test_one_sft_variants_step_count_makes_only_that_variant_stale(locked_repo, params_restored):
+    set_param(locked_repo / "params.yaml", "profiles.tiny.sft_variants.unseen.max_steps", "5")
+    assert stale_stages(locked_repo) == {"sft@unseen"}
+
+
+@pytest.mark.slow
+def test_an_rl_rollout_setting_retrains_the_runs_but_does_not_touch_the_evaluations(locked_repo, params_restored):
+    # evaluate reads its own num_paths / max_blocks (anchored to rl's), not the rl section
+    set_param(locked_repo / "params.yaml", "profiles.tiny.rl.max_completion_tokens", "40")
+    assert stale_stages(locked_repo) == runs(params_restored)
+
+
 def test_an_rl_run_reads_only_its_schedules_knobs():
     from stages.common import load_params
     from stages.rl import reward_config

@@ -46,7 +46,13 @@ RUN = {"init": "base", "dataset": "gsm8k", "reward": "parallel_only", "variant":
 
 
 def options(rl=None, snapshot_every=None, **run) -> RLOptions:
-    return RLOptions.from_sections("test_run", rl or RL, {**RUN, **run}, snapshot_every=snapshot_every)
+    """The options `stages.rl` builds from params sections: `rl`, `rl_datasets`, this run's entry."""
+    from stages.rl import rl_options
+
+    shared = dict(rl or RL)
+    params = {"seed": 0, "rl_datasets": shared.pop("datasets"), "rl": shared,
+              "rl_runs": {"test_run": {**RUN, **run}}, "scaffold_curve": {"every": snapshot_every}}
+    return rl_options(params, "test_run")
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from parallel_r1.config import from_mapping
 from parallel_r1.errors import PipelineError
 from parallel_r1.format import parallel_ratio
 from parallel_r1.rewards import (
@@ -231,11 +232,11 @@ def test_reward_config_rejects_bad_values_and_unknown_params():
         RewardConfig(window=10, tiered_steps=11)
     with pytest.raises(PipelineError, match="checker"):
         RewardConfig(checker="exact")
-    with pytest.raises(PipelineError, match="reward config.window: must be int, got 'ten'"):
+    with pytest.raises(PipelineError, match="^window: expected int, got 'ten'$"):
         RewardConfig(window="ten")
-    with pytest.raises(PipelineError, match="params.yaml:rl.reward.*'windw'"):
-        RewardConfig.from_params({"windw": 10}, where="params.yaml:rl.reward")
-    assert RewardConfig.from_params({"window": 4, "tiered_steps": 1}).window == 4
+    with pytest.raises(PipelineError, match="^params.yaml rewards: unknown key 'windw'"):
+        from_mapping(RewardConfig, {"windw": 10}, "params.yaml rewards")
+    assert from_mapping(RewardConfig, {"window": 4, "tiered_steps": 1}, "params.yaml rewards").window == 4
 
 
 # ---------------------------------------------------------------- reward functions

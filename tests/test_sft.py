@@ -11,6 +11,7 @@ import torch
 import yaml
 from transformers import TrainerCallback
 
+from parallel_r1.config import from_mapping
 from parallel_r1.data import load_teacher_demos
 from parallel_r1.errors import PipelineError
 from parallel_r1.format import check_format
@@ -21,11 +22,12 @@ from parallel_r1.structure import TagIds, build_structure
 from parallel_r1.training.probe import CAUSAL_DECODING, ENGINE_DECODING
 from parallel_r1.training.sft import ParallelSFTCollator, SFTOptions, batch_structure, install_structured_attention, \
     make_trainer, sft_dataset, train_sft
+from stages.sft import sft_options
 
 TINY = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                        num_key_value_heads=1, head_dim=16)
 SFT_PARAMS = dict(batch_size=2, per_device_batch_size=1, lr=1e-2, weight_decay=0.0, warmup_ratio=0.0,
-                  lr_scheduler="constant", max_length=288, max_steps={"seen": 4, "unseen": 4},
+                  lr_scheduler="constant", max_length=288,
                   attention_backend="dense", gradient_checkpointing=False, save_steps=2,
                   probe_questions=2, probe_max_tokens=8)
 
@@ -37,7 +39,7 @@ def demos(mirror):
 
 
 def options(variant: str, **overrides) -> SFTOptions:
-    return SFTOptions.from_params({**SFT_PARAMS, **overrides}, variant)
+    return from_mapping(SFTOptions, {**SFT_PARAMS, "max_steps": 4, "variant": variant, **overrides}, "sft")
 
 
 def prepared_rows(variant, tokenizer, demos, tmp_path, count=3):
@@ -119,14 +121,20 @@ def test_path_two_loss_depends_on_path_one_only_when_seen(variant, tokenizer, ta
 def test_batch_size_must_split_into_devices_and_accumulation():
     with pytest.raises(PipelineError, match="batch_size: 6 is not a multiple of per_device_batch_size 4"):
         options("seen", batch_size=6, per_device_batch_size=4).gradient_accumulation_steps()
-    with pytest.raises(PipelineError, match="max_steps: no entry for variant 'unseen'"):
-        SFTOptions.from_params({**SFT_PARAMS, "max_steps": {"seen": 3}}, "unseen")
+    params = {"seed": 0, "sft": SFT_PARAMS, "sft_variants": {"seen": {"max_steps": 3}}}
+    with pytest.raises(PipelineError, match="missing key sft_variants.unseen"):
+        sft_options(params, "unseen")
+    with pytest.raises(PipelineError, match=r"^params.yaml sft_variants.seen.max_steps: must be >= 1, got 0"):
+        sft_options({**params, "sft_variants": {"seen": {"max_steps": 0}}}, "seen")
+    with pytest.raises(PipelineError, match=r"^params.yaml sft.warmup_ratio: must be < 1"):
+        sft_options({**params, "sft": {**SFT_PARAMS, "warmup_ratio": 1.0}}, "seen")
 
 
 def _stage_project(root: Path, rows: list[dict], mirror: Path | None = None) -> None:
     """A minimal project folder for `stages.sft`: params.yaml, the SFT set, a tiny base model if rows."""
     params = {"profile": "t", "seed": 0, "profiles": {"t": {}},
-              "data": {"mirror_dir": str(mirror or "")}, "model": {"dtype": "float32"}, "sft": SFT_PARAMS}
+              "data": {"mirror_dir": str(mirror or "")}, "model": {"dtype": "float32"}, "sft": SFT_PARAMS,
+              "sft_variants": {"seen": {"max_steps": 4}, "unseen": {"max_steps": 4}}}
     (root / "params.yaml").write_text(yaml.safe_dump(params), encoding="utf-8")
     write_jsonl(root / "data/sft/parallel_gsm8k.jsonl", rows)
     if rows:

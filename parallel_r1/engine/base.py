@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Hashable, Literal, Protocol, Sequence
 
+from parallel_r1.config import check_fields
 from parallel_r1.errors import PipelineError
 
 FinishReason = Literal["stop", "length"]
@@ -56,17 +57,11 @@ class RolloutConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        checks = (
-            (self.num_paths >= 2, f"num_paths must be >= 2, got {self.num_paths}"),
-            (self.max_blocks >= 0, f"max_blocks must be >= 0, got {self.max_blocks}"),
-            (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
-            (math.isfinite(self.temperature) and self.temperature >= 0,
-             f"temperature must be >= 0, got {self.temperature}"),
-            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
-        )
-        for ok, message in checks:
-            if not ok:
-                raise PipelineError(f"rollout config: {message}")
+        check_fields(self)
+        if not math.isfinite(self.temperature):
+            raise PipelineError(f"temperature: must be finite, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise PipelineError(f"top_p: must be in (0, 1], got {self.top_p}")
 
 
 @dataclass(frozen=True)

@@ -49,12 +49,12 @@ def trainer_arguments(*, save_steps: int, seed: int, report_to: str | list[str],
                 report_to=report_to)
 
 
-def check_scheduler(name: str, where: str) -> None:
-    """Fail in one line on a learning-rate scheduler transformers does not know."""
+def check_scheduler(name: str) -> None:
+    """Fail in one line on a learning-rate scheduler transformers does not know (options' field check)."""
     from transformers.trainer_utils import SchedulerType
 
     if name not in {s.value for s in SchedulerType}:
-        raise PipelineError(f"{where}: unknown scheduler {name!r} (e.g. constant, cosine, linear)")
+        raise PipelineError(f"lr_scheduler: unknown scheduler {name!r} (e.g. constant, cosine, linear)")
 
 
 def file_signature(folder: Path) -> list:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Literal, Mapping, Sequence
 
 import torch
 
-from parallel_r1.config import from_mapping
+from parallel_r1.config import check_fields
 from parallel_r1.engine import EngineKind, RolloutConfig
 from parallel_r1.errors import PipelineError
 from parallel_r1.io import atomic_path
@@ -59,15 +59,13 @@ if TYPE_CHECKING:  # the trainer module imports TRL: loaded in train_rl (see _ke
 
 Variant = Literal["seen", "unseen"]
 SNAPSHOTS = "snapshots"  # scaffold snapshots, staged beside the checkpoints, moved to <model>/steps/
-RUN_KEYS = ("init", "dataset", "reward", "variant", "prompt", "parallel", "epsilon_high", "snapshots")
-DATASET_KEYS = ("batch_size", "num_generations", "max_steps", "mini_batch_size")
 # Not part of a run's identity: changing them continues the same run from its last checkpoint.
 RESUMABLE_FIELDS = ("max_steps", "save_steps")
 
 
 @dataclass(frozen=True)
 class RLOptions:
-    """One GRPO run: params.yaml `rl` + `rl_datasets.<dataset>` + `rl_runs.<run>`.
+    """One GRPO run (the stage merges params.yaml `rl`, `rl_datasets.<dataset>` and `rl_runs.<run>`).
 
     Run (rl_runs.<run>):
         run: the configuration's name (= its output model folder `models/<run>`).
@@ -136,43 +134,16 @@ class RLOptions:
     snapshot_every: int = field(default=25, metadata={"min": 1})
     seed: int = 0
 
-    @classmethod
-    def from_sections(cls, run: str, rl: Mapping[str, Any], run_entry: Mapping[str, Any], *, seed: int = 0,
-                      snapshot_every: int | None = None) -> RLOptions:
-        """Merge the `rl` section, its `datasets.<dataset>` entry and the run's `rl_runs` entry."""
-        if not isinstance(run_entry, Mapping):
-            raise PipelineError(f"params.yaml rl_runs.{run}: expected a mapping, got {run_entry!r}")
-        unknown = sorted(set(run_entry) - set(RUN_KEYS))
-        if unknown:
-            raise PipelineError(f"params.yaml rl_runs.{run}: unknown key {unknown[0]!r} (known: "
-                                f"{', '.join(RUN_KEYS)})")
-        dataset = run_entry.get("dataset")
-        datasets = dict(rl or {}).get("datasets") or {}
-        if dataset not in datasets:
-            raise PipelineError(f"params.yaml rl_runs.{run}.dataset: {dataset!r} has no entry in rl_datasets "
-                                f"(known: {', '.join(datasets) or 'none'})")
-        shape = datasets[dataset] or {}
-        unknown = sorted(set(shape) - set(DATASET_KEYS))
-        if unknown:
-            raise PipelineError(f"params.yaml rl_datasets.{dataset}: unknown key {unknown[0]!r} "
-                                f"(known: {', '.join(DATASET_KEYS)})")
-        shared = {k: v for k, v in dict(rl or {}).items() if k != "datasets"}
-        values = {**shared, **shape, **run_entry, "run": run, "seed": seed}
-        if snapshot_every is not None:
-            values["snapshot_every"] = snapshot_every
-        options = from_mapping(cls, values, f"params.yaml rl_runs.{run} (with rl, rl_datasets.{dataset})")
-        if options.reward not in REWARDS:  # checked here, before any model is loaded
-            raise PipelineError(f"params.yaml rl_runs.{run}.reward: unknown schedule {options.reward!r} "
-                                f"(known: {', '.join(sorted(REWARDS))})")
-        return options
-
     def __post_init__(self) -> None:
+        check_fields(self)
+        check_scheduler(self.lr_scheduler)
+        if self.reward not in REWARDS:  # checked here, before any model is loaded
+            raise PipelineError(f"reward: unknown schedule {self.reward!r} "
+                                f"(known: {', '.join(sorted(REWARDS))})")
         mini = self.mini_batch_size
         if mini is not None and (mini > self.batch_size or self.batch_size % mini):
-            raise PipelineError(f"params.yaml rl_datasets.{self.dataset}.mini_batch_size: {mini} does not "
-                                "divide "
-                                f"batch_size {self.batch_size} (updates per step = batch_size / "
-                                "mini_batch_size)")
+            raise PipelineError(f"mini_batch_size: {mini} does not divide batch_size {self.batch_size} "
+                                "(updates per step = batch_size / mini_batch_size)")
 
     @property
     def structured(self) -> bool:
@@ -218,12 +189,12 @@ def batch_layout(options: RLOptions, processes: int = 1) -> BatchLayout:
     per_update = completions // updates
     if per_update % processes:
         size = "mini_batch_size" if updates > 1 else "batch_size"
-        raise PipelineError(f"params.yaml rl_datasets.{options.dataset}: {size} x num_generations = "
+        raise PipelineError(f"rl_datasets.{options.dataset}: {size} x num_generations = "
                             f"{per_update} completions do not split over {processes} processes")
     per_process = per_update // processes
     micro = min(options.per_device_batch_size, per_process)  # a micro-batch cannot exceed a process's share
     if per_process % micro:
-        raise PipelineError(f"params.yaml rl.per_device_batch_size: {micro} does not divide the "
+        raise PipelineError(f"rl.per_device_batch_size: {micro} does not divide the "
                             f"{per_process} completions each of {processes} process(es) gets per update")
     accumulation = per_process // micro
     return BatchLayout(micro, accumulation, accumulation * updates, completions)
@@ -250,7 +221,6 @@ def grpo_config(options: RLOptions, output_dir: str | os.PathLike, report_to: st
     """
     from trl import GRPOConfig
 
-    check_scheduler(options.lr_scheduler, "params.yaml rl.lr_scheduler")
     layout = batch_layout(options, processes)
     engine = options.resolved_engine()
     vllm: dict[str, Any] = {}
@@ -261,7 +231,7 @@ def grpo_config(options: RLOptions, output_dir: str | os.PathLike, report_to: st
                     vllm_max_model_length=options.max_prompt_tokens + options.max_completion_tokens)
         if options.vllm_mode == "server":
             if not options.vllm_server_base_url:
-                raise PipelineError("params.yaml rl.vllm_server_base_url: required with vllm_mode server "
+                raise PipelineError("rl.vllm_server_base_url: required with vllm_mode server "
                                     "(the address of `trl vllm-serve`)")
             vllm["vllm_server_base_url"] = options.vllm_server_base_url
     return GRPOConfig(

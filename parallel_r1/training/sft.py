@@ -39,7 +39,7 @@ from typing import Any, Iterable, Literal, Mapping, Sequence
 
 import torch
 
-from parallel_r1.config import from_mapping
+from parallel_r1.config import check_fields
 from parallel_r1.errors import PipelineError
 from parallel_r1.io import atomic_path
 from parallel_r1.models import load_model, runs_in_bf16
@@ -63,7 +63,7 @@ PROBE_FIELDS = ("probe_questions", "probe_max_tokens")
 
 @dataclass(frozen=True)
 class SFTOptions:
-    """Cold-start SFT settings: params.yaml `sft`, with `max_steps` picked for the variant.
+    """Cold-start SFT settings (the stage merges params.yaml `sft` and `sft_variants.<variant>`).
 
     Optimisation: `batch_size` rows per optimizer update (the paper's 128), reached through
     gradient accumulation over `per_device_batch_size` rows x processes; AdamW with `lr`,
@@ -92,24 +92,10 @@ class SFTOptions:
     probe_max_tokens: int = field(default=512, metadata={"min": 1})
 
     def __post_init__(self) -> None:
+        check_fields(self)
+        check_scheduler(self.lr_scheduler)
         if self.warmup_ratio >= 1:
-            raise PipelineError("params.yaml sft.warmup_ratio: must be < 1 (a share of the steps), got "
-                                f"{self.warmup_ratio}")
-
-    @classmethod
-    def from_params(cls, sft: Mapping[str, Any], variant: str, seed: int = 0,
-                    where: str = "params.yaml sft") -> SFTOptions:
-        """Options for `variant` from the `sft` section, whose `max_steps` maps variant -> updates."""
-        if variant not in VARIANTS:
-            raise PipelineError(f"SFT variant {variant!r} is unknown (choose from {', '.join(VARIANTS)})")
-        values = dict(sft or {})
-        steps = values.get("max_steps")
-        if isinstance(steps, Mapping):
-            if variant not in steps:
-                raise PipelineError(f"{where}.max_steps: no entry for variant {variant!r}")
-            values["max_steps"] = steps[variant]
-        values.setdefault("seed", seed)
-        return from_mapping(cls, {**values, "variant": variant}, where)
+            raise PipelineError(f"warmup_ratio: must be < 1 (a share of the steps), got {self.warmup_ratio}")
 
     @property
     def structured(self) -> bool:
@@ -123,7 +109,7 @@ class SFTOptions:
     def gradient_accumulation_steps(self, processes: int = 1) -> int:
         per_update = self.per_device_batch_size * processes
         if self.batch_size % per_update:
-            raise PipelineError(f"params.yaml sft.batch_size: {self.batch_size} is not a multiple of "
+            raise PipelineError(f"sft batch_size: {self.batch_size} is not a multiple of "
                                 f"per_device_batch_size {self.per_device_batch_size} x {processes} "
                                 "process(es)")
         return self.batch_size // per_update
@@ -213,7 +199,6 @@ def sft_config(options: SFTOptions, output_dir: str | os.PathLike, eos_token: st
     """TRL SFTConfig for `options`: completion-only loss, per-step logs, checkpoints every save_steps."""
     from trl import SFTConfig
 
-    check_scheduler(options.lr_scheduler, "params.yaml sft.lr_scheduler")
     flex = options.structured and options.attention_backend == "flex"
     return SFTConfig(
         output_dir=str(output_dir),
