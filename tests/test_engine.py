@@ -304,7 +304,8 @@ def test_bad_engine_inputs_fail_with_one_line(tiny):
 
 def trainer_stand_in(tiny, rank: int = 0):
     """What the rollout function reads from TRL's GRPOTrainer with the transformers engine."""
-    return SimpleNamespace(num_generations=2, model=tiny.model, accelerator=SimpleNamespace(process_index=rank))
+    return SimpleNamespace(num_generations=2, model=tiny.model, accelerator=SimpleNamespace(process_index=rank),
+                           state=SimpleNamespace(global_step=0))
 
 
 def test_rollout_func_returns_one_tagged_rollout_per_trl_prompt(tiny):

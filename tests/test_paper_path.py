@@ -311,11 +311,11 @@ def test_server_mode_rollout_waits_for_every_process_first(tokenizer):
     events = []
 
     class Engine:
-        def generate(self, prompt_ids, n):
+        def generate(self, prompt_ids, n, call=None):
             events.append("generate")
             return []
 
-    trainer = SimpleNamespace(vllm_generation=SimpleNamespace(mode="server"),
+    trainer = SimpleNamespace(vllm_generation=SimpleNamespace(mode="server"), state=SimpleNamespace(global_step=0),
                               accelerator=SimpleNamespace(wait_for_everyone=lambda: events.append("barrier")))
     rollout = make_rollout_func(lambda t: Engine(), tokenizer)
     rollout(["What is 2 + 3?"], trainer)

@@ -125,8 +125,14 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ public API
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], num_generations: int = 1) -> list[Rollout]:
-        """`num_generations` rollouts per prompt, grouped per prompt consecutively (TRL's order)."""
+    def generate(self, prompt_ids: Sequence[Sequence[int]], num_generations: int = 1,
+                 call: int | None = None) -> list[Rollout]:
+        """`num_generations` rollouts per prompt, grouped per prompt consecutively (TRL's order).
+
+        `call` keys this call's sampler seeds (with config.seed) instead of the count of earlier calls:
+        GRPO passes the trainer's step, so a run resumed from a checkpoint samples what the
+        uninterrupted run sampled at that step.
+        """
         if num_generations < 1:
             raise PipelineError(f"rollout engine: num_generations must be >= 1, got {num_generations}")
         for index, ids in enumerate(prompt_ids):
@@ -134,7 +140,8 @@ class RolloutEngine:
                 raise PipelineError(f"rollout engine: prompt {index} has no tokens")
         prompts = [tuple(int(t) for t in ids) for ids in prompt_ids for _ in range(num_generations)]
         states = [_State(prompt, index=index) for index, prompt in enumerate(prompts)]
-        self._call_seed = self._seeds.getrandbits(63)
+        self._call_seed = (self._seeds.getrandbits(63) if call is None
+                           else random.Random(f"{self.config.seed}:{call}").getrandbits(63))
         # a backend with `step` streams (StreamingBackend); a batch-only one is driven in rounds
         scheduler: StreamingBackend | _RoundBarrier = (cast(StreamingBackend, self.backend)
                                                        if hasattr(self.backend, "step")

@@ -94,7 +94,8 @@ def make_rollout_func(engine_factory: EngineFactory, tokenizer,
             trainer.accelerator.wait_for_everyone()
         if not engines:
             engines.append(engine_factory(trainer))
-        rollouts = engines[0].generate(render_prompt_ids(prompts, tokenizer, prompt_style), 1)
+        rollouts = engines[0].generate(render_prompt_ids(prompts, tokenizer, prompt_style), 1,
+                                       call=trainer.state.global_step)  # a resumed run samples the same
         return {
             "prompt_ids": [r.prompt_ids for r in rollouts],
             "completion_ids": [r.completion_ids for r in rollouts],
