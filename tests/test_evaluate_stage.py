@@ -38,6 +38,7 @@ def inside(workdir, monkeypatch):
     return workdir
 
 
+@pytest.mark.slow  # generates with a model
 def test_tiny_model_on_every_benchmark(inside):
     from stages.evaluate import main
 
@@ -55,6 +56,7 @@ def test_tiny_model_on_every_benchmark(inside):
         assert all(row["completion_tokens"] <= 24 for row in rows)
 
 
+@pytest.mark.slow  # generates with a model
 def test_evaluation_is_an_mlflow_run_with_every_benchmark_metric(inside, monkeypatch):
     from mlflow import MlflowClient
 
@@ -135,6 +137,7 @@ def counting_engines(monkeypatch, kill_at: int | None = None) -> SimpleNamespace
     return seen
 
 
+@pytest.mark.slow  # generates with a model
 def test_killed_evaluation_resumes_where_it_stopped(inside, monkeypatch, capsys):
     import stages.evaluate as stage
     from stages.common import load_params
@@ -170,6 +173,7 @@ def test_killed_evaluation_resumes_where_it_stopped(inside, monkeypatch, capsys)
             assert [r["response"] for r in rows[:2]] == [r["response"] for r in kept]
 
 
+@pytest.mark.slow  # generates with a model
 def test_killed_scaffold_curve_resumes_without_redoing_a_finished_snapshot(inside, monkeypatch, capsys):
     import stages.evaluate as stage
 
