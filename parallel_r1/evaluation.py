@@ -254,20 +254,3 @@ def by_benchmark(jobs: Sequence[Job], samples: Mapping[tuple[str, str, int], Sam
     for job in jobs:
         grouped[job.benchmark].append(samples[job.key])
     return grouped
-
-
-def generate_samples(engine, tokenizer, problems: Sequence[Mapping[str, Any]], k: int,
-                     prompt_style: PromptStyle = "parallel") -> list[Sample]:
-    """k responses per problem from a rollout engine, with the same prompt as training."""
-    return generate_benchmark_samples(engine, tokenizer, {"benchmark": (problems, k)},
-                                      prompt_style)["benchmark"]
-
-
-def generate_benchmark_samples(engine, tokenizer,
-                               benchmarks: Mapping[str, tuple[Sequence[Mapping[str, Any]], int]],
-                               prompt_style: PromptStyle = "parallel") -> dict[str, list[Sample]]:
-    """{benchmark: samples} for {benchmark: (problems, k)}, every benchmark in ONE engine call
-    (`generate_jobs` says why); the evaluate stage instead calls it per chunk of jobs, to resume."""
-    jobs = benchmark_jobs(tokenizer, benchmarks, prompt_style)
-    samples = dict(zip((job.key for job in jobs), generate_jobs(engine, jobs), strict=True))
-    return by_benchmark(jobs, samples, benchmarks)

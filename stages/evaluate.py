@@ -48,6 +48,7 @@ from parallel_r1.evaluation import (
 )
 from parallel_r1.io import read_json, read_jsonl, read_jsonl_lines, write_json, write_jsonl
 from parallel_r1.models import check_model_dir, load_tokenizer, runs_in_bf16
+from parallel_r1.training.checkpoints import file_signature
 from stages.common import load_params, log, section, stage_main
 
 PROBLEM_FIELDS = ("id", "question", "ground_truth", "answer_kind")
@@ -82,9 +83,8 @@ def partial_path(model: str, folder: Path) -> Path:
 def stamp(folder: Path, prompt: str, config: RolloutConfig, dtype: str) -> str:
     """What a partial sample depends on beyond its key: the checkpoint's files (name, size, mtime) and
     the sampling settings. A kill, then a retrained model or new settings must not reuse old samples.
-    (Like training.checkpoints.file_signature, not imported: dvc.yaml would list that module as a dep.)"""
-    files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir() if p.is_file())
-    text = json.dumps([files, prompt, dataclasses.asdict(config), dtype], sort_keys=True)
+    (the same file signature that identifies a training run's starting model)."""
+    text = json.dumps([file_signature(folder), prompt, dataclasses.asdict(config), dtype], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from parallel_r1.errors import PipelineError
 from parallel_r1.evaluation import (
-    METRIC_KEYS, Sample, ScoredSample, benchmark_jobs, generate_benchmark_samples, generate_jobs, mean_at_k,
+    METRIC_KEYS, Sample, ScoredSample, benchmark_jobs, by_benchmark, generate_jobs, mean_at_k,
     pass_at_k, sample_from_row, sample_to_row, score_sample, summarize,
 )
 
@@ -188,11 +188,12 @@ def test_benchmark_jobs_are_k_per_problem_in_order_sharing_one_prompt(tokenizer)
 def test_benchmarks_share_one_engine_call_and_chunks_give_the_same_samples(tokenizer):
     benchmarks = {"aime": (PROBLEMS["aime"], 2), "math": (PROBLEMS["math"], 1)}
     engine = EchoEngine()
-    together = generate_benchmark_samples(engine, tokenizer, benchmarks)
-    assert len(engine.calls) == 1 and len(engine.calls[0]) == 5
-    assert [len(together[name]) for name in benchmarks] == [4, 1]
     jobs = benchmark_jobs(tokenizer, benchmarks)
+    together = generate_jobs(engine, jobs)
+    assert len(engine.calls) == 1 and len(engine.calls[0]) == 5
+    grouped = by_benchmark(jobs, {job.key: s for job, s in zip(jobs, together, strict=True)}, benchmarks)
+    assert [len(grouped[name]) for name in benchmarks] == [4, 1]
     chunked = generate_jobs(engine, jobs[:3]) + generate_jobs(engine, jobs[3:])
-    assert chunked == together["aime"] + together["math"]
+    assert chunked == together == grouped["aime"] + grouped["math"]
     assert chunked[4] == Sample("m", 0, f"Final Answer: {len(jobs[4].prompt_ids)}", "6", "math", 3, False)
     assert generate_jobs(engine, []) == [] and len(engine.calls) == 3   # no call for no jobs
