@@ -61,7 +61,10 @@ PROFILE_NOTES = {
              "model learns the parallel format in SFT (parallel ratio, block position, path diversity) "
              "and every cell is computed by the real pipeline. What it cannot show: the paper's "
              "accuracies -- a 135M model scores ~0 on AIME/AMC/MATH, and on GSM8K its responses mostly "
-             "run past the short token cap (scored wrong), and a handful of RL steps cannot move that",
+             "run past the short token cap (scored wrong). So in RL only the parallel-only reward reliably "
+             "gets a gradient: accuracy, parallel x accuracy, tiered and alternating give every rollout -1 "
+             "until one answer is correct (tiered pays only for correct answers), and a GRPO group of equal "
+             "rewards moves no weight (column 'steps with reward spread')",
     "tiny": "a random-init tiny model; accuracies are not comparable to the paper, "
             "every cell is computed by the real pipeline",
     "paper": "the paper's settings; numbers are comparable to the paper's",

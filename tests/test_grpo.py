@@ -27,7 +27,8 @@ from parallel_r1.models import TinyModelConfig, build_tiny_model, load_model
 from parallel_r1.rewards import RewardConfig, build_reward
 from parallel_r1.structure import TagIds, attention_inputs, build_structure
 from parallel_r1.training.grpo import RLOptions, batch_layout, grpo_config, rl_dataset, train_rl
-from parallel_r1.training.grpo_trainer import STEP_KEYS, ParallelGRPOTrainer, step_records
+from parallel_r1.training.grpo_trainer import (STEP_KEYS, EpochSeededRepeatSampler, ParallelGRPOTrainer,
+                                               step_records)
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -321,6 +322,41 @@ def test_unseen_scaffold_run_exports_step_snapshots(init_dir, tmp_path, tokenize
     assert all(r["parallel_ratio"] is not None for r in result.history)
 
 
+def assert_same_history(history: list[dict], expected: list[dict], rel: float = 1e-4) -> None:
+    """Step records equal: numbers within `rel`, everything else exactly."""
+    assert len(history) == len(expected)
+    for record, wanted in zip(history, expected, strict=True):
+        assert record.keys() == wanted.keys()
+        for key, value in wanted.items():
+            if isinstance(value, float):
+                assert record[key] == pytest.approx(value, rel=rel, abs=1e-6), (record["step"], key)
+            else:
+                assert record[key] == value, (record["step"], key)
+
+
+# The seeded 3-step Unseen run's (reward, response_length, parallel_ratio, reward_std) per step: a change
+# to sampling, rewards or the update shows up here (as torchtune's recipe tests pin their losses).
+PINNED_KEYS = ("reward", "response_length", "parallel_ratio", "reward_std")
+PINNED_UNSEEN_GRPO_HISTORY = [(1.0, 19.0, 1.0, 0.0), (-0.5, 7.75, 0.25, 1.0), (0.0, 11.5, 0.5, 1.1547)]
+
+
+def test_prompt_order_depends_only_on_seed_and_epoch():
+    """A sampler restarted at epoch 2 (a resume) yields the order an uninterrupted one yields there."""
+    def sampler():
+        return EpochSeededRepeatSampler(list(range(10)), mini_repeat_count=2, batch_size=2, seed=7)
+
+    uninterrupted = sampler()
+    orders = []
+    for epoch in range(3):
+        uninterrupted.set_epoch(epoch)
+        orders.append(list(uninterrupted))
+    restarted = sampler()
+    restarted.set_epoch(2)
+    assert list(restarted) == orders[2]
+    assert orders[0] != orders[1] != orders[2]  # each epoch still reshuffles
+    assert sorted(orders[1]) == sorted(i for i in range(10) for _ in range(2))
+
+
 class KillAtStep2(TrainerCallback):
     """Stops the run like a kill, right after the step-2 checkpoint is written."""
 
@@ -330,11 +366,15 @@ class KillAtStep2(TrainerCallback):
 
 
 @pytest.mark.slow
-def test_killed_run_resumes_from_its_last_checkpoint_with_more_steps(init_dir, tmp_path, tokenizer):
+def test_killed_run_resumes_from_its_last_checkpoint_with_the_uninterrupted_history(init_dir, tmp_path,
+                                                                                    tokenizer):
     def steps(n):
         return options({**RL, "datasets": {"gsm8k": {"batch_size": 1, "num_generations": 4, "max_steps": n}}},
                        variant="unseen")
 
+    uninterrupted = run_once(init_dir, tmp_path / "uninterrupted", tokenizer, steps(3))
+    pinned = [value for step in PINNED_UNSEEN_GRPO_HISTORY for value in step]
+    assert [r[k] for r in uninterrupted.history for k in PINNED_KEYS] == pytest.approx(pinned, rel=1e-3)
     with pytest.raises(KeyboardInterrupt):
         run_once(init_dir, tmp_path, tokenizer, steps(2), callbacks=[KillAtStep2()])
     checkpoints = tmp_path / "checkpoints" / "test_run"
@@ -343,8 +383,10 @@ def test_killed_run_resumes_from_its_last_checkpoint_with_more_steps(init_dir, t
     result = run_once(init_dir, tmp_path, tokenizer, steps(3))  # max_steps is not part of the run's identity
     assert result.resumed_from == str(checkpoints / "checkpoint-2")
     assert (result.steps, result.steps_this_run) == (3, 1)
-    assert [r["step"] for r in result.history] == [1, 2, 3]
     assert (result.model_dir / "model.safetensors").is_file() and not checkpoints.exists()
+    # the resumed step samples, scores and updates as the uninterrupted run's step 3 did
+    assert_same_history(result.history, uninterrupted.history)
+    assert changed_parameters(uninterrupted.model_dir, result.model_dir) == 0
 
 
 # ---------------------------------------------------------------------------------- stage

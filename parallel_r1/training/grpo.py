@@ -392,7 +392,7 @@ def train_rl(options: RLOptions, init_dir: str | os.PathLike, rows: Sequence[Map
     trainer = ParallelGRPOTrainer(
         model=model, reward_funcs=[build_reward(options.reward, reward_config, updates)], args=config,
         train_dataset=dataset, processing_class=tokenizer, structured=options.structured,
-        rollout_func=rollout_function_for(options, engine, tokenizer, first_step, **(engine_options or {})),
+        rollout_func=rollout_function_for(options, engine, tokenizer, **(engine_options or {})),
         callbacks=[*([snapshotter] if snapshotter else []), *callbacks])
     if snapshotter:
         snapshotter.trainer = trainer
@@ -435,17 +435,17 @@ def _keep_trl_off_vllm() -> None:
 
 
 def rollout_function_for(options: RLOptions, engine: Literal["transformers", "vllm"], tokenizer,
-                         first_step: int = 0, **backend_options):
+                         **backend_options):
     """TRL rollout_func sampling with the run's fork settings (parallel or plain, Seen or Unseen).
 
-    The engine's sampler seeds follow `seed` and the step the run starts from, so a resumed run
-    draws fresh random streams instead of replaying those of its first steps.
+    The sampler seeds follow `seed` and the trainer's step (make_rollout_func passes it as `call`),
+    never the step a run resumed from: a resumed run samples what the uninterrupted run sampled.
     """
     config = RolloutConfig(parallel=options.parallel, num_paths=options.num_paths,
                            max_blocks=options.max_blocks,
                            max_tokens=options.max_completion_tokens, temperature=options.temperature,
                            top_p=options.top_p, structured=options.structured,
-                           seed=options.seed + 1_000_003 * first_step)
+                           seed=options.seed)
     factory = engine_for_trainer(engine, tokenizer, config, **backend_options)
     return make_rollout_func(factory, tokenizer, options.prompt)
 

@@ -10,6 +10,9 @@
     `trainer.state.log_history`, which checkpoints carry across a resume. `step_records` reads
     them back as the rows of `metrics/rl/<run>/steps.json`.
 
+`EpochSeededRepeatSampler` makes the prompt order a function of (seed, epoch), so a run resumed
+from a checkpoint sees the prompts the uninterrupted run saw.
+
 `SnapshotCallback` exports the policy every N steps (the scaffold run's Figure 4 curve).
 """
 
@@ -24,6 +27,7 @@ from typing import Any, Iterable, Mapping
 
 from transformers import TrainerCallback
 from trl import GRPOTrainer
+from trl.trainer.utils import RepeatSampler
 
 from parallel_r1.format import PARALLEL_OPEN, count_blocks, parallel_position, path_diversity
 from parallel_r1.rewards import RewardConfig, reward_type_at
@@ -42,6 +46,19 @@ class RolloutStats:
     @property
     def tokens_per_second(self) -> float | None:
         return self.tokens / self.seconds if self.seconds > 0 else None
+
+
+class EpochSeededRepeatSampler(RepeatSampler):
+    """TRL's RepeatSampler whose shuffle is reseeded from (seed, epoch) at every epoch.
+
+    TRL's sampler draws each epoch's permutation from one generator seeded once, so a run resumed
+    after its first epoch replays the first epoch's order (transformers restarts the sampler and
+    only skips batches inside the resumed epoch). transformers calls `set_epoch` before each epoch.
+    """
+
+    def set_epoch(self, epoch: int) -> None:
+        if self.shuffle:
+            self.generator.manual_seed((self.seed or 0) + epoch)
 
 
 class ParallelGRPOTrainer(GRPOTrainer):
@@ -63,6 +80,14 @@ class ParallelGRPOTrainer(GRPOTrainer):
         measured = self._measured(rollout_func) if rollout_func is not None else None
         super().__init__(model=model, reward_funcs=reward_funcs, rollout_func=measured, **kwargs)
         self.tags = TagIds.from_tokenizer(self._tokenizer)
+
+    def _get_train_sampler(self, dataset=None) -> EpochSeededRepeatSampler:
+        stock = super()._get_train_sampler(dataset)
+        assert isinstance(stock, RepeatSampler), type(stock)
+        return EpochSeededRepeatSampler(
+            data_source=stock.data_source, mini_repeat_count=stock.mini_repeat_count,
+            batch_size=stock.batch_size, repeat_count=stock.repeat_count,
+            shuffle=stock.shuffle, seed=stock.seed)
 
     def _measured(self, rollout_func):
         def rollout(prompts, trainer):
