@@ -97,6 +97,7 @@ def summarize(run: str, options: RLOptions, result: RLResult, wall_seconds: floa
     return {
         "run": run, "init": options.init, "dataset": options.dataset, "reward": options.reward,
         "variant": options.variant, "prompt": options.prompt, "parallel": options.parallel,
+        "processes": result.processes,
         "steps": result.steps, "steps_this_run": result.steps_this_run, "resumed_from": result.resumed_from,
         "prompts": result.prompts, "dropped_long_prompts": result.dropped_prompts,
         "rollouts_per_step": options.batch_size * options.num_generations,

@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
         summary = {
             "variant": variant,
             "profile": params["profile"],
+            "processes": result.processes,
             "final_loss": result.final_loss,
             "first_loss": result.loss_history[0]["loss"] if result.loss_history else None,
             "steps": result.steps,

@@ -39,14 +39,29 @@ def trainer_arguments(*, save_steps: int, seed: int, report_to: str | list[str],
                       gradient_checkpointing: bool) -> dict[str, Any]:
     """The TrainingArguments SFT and GRPO share: a log row per step (the metric files and MLflow
     read them), a checkpoint every `save_steps` with only the last kept (enough to resume), and
-    one seed for both the model's sampling and the data order. bf16 without a GPU needs `use_cpu`
-    (transformers refuses bf16 otherwise; accelerate then autocasts on the CPU)."""
+    one seed for both the model's sampling and the data order. Without a GPU, `use_cpu`: transformers
+    refuses bf16 otherwise (accelerate then autocasts on the CPU), and only with it does a
+    multi-process launch become a gloo process group (`process_state`)."""
     import torch
 
     return dict(gradient_checkpointing=gradient_checkpointing, bf16=bf16,
-                use_cpu=bf16 and not torch.cuda.is_available(), logging_steps=1,
+                use_cpu=not torch.cuda.is_available(), logging_steps=1,
                 save_strategy="steps", save_steps=save_steps, save_total_limit=1, seed=seed, data_seed=seed,
                 report_to=report_to)
+
+
+def process_state():
+    """accelerate's PartialState, set up as the Trainer will set it up (`use_cpu` without a GPU).
+
+    On a machine without CUDA, accelerate joins the processes of a launch (RANK / WORLD_SIZE set)
+    into a gloo group only when asked for the CPU; a bare `PartialState()` would make every process
+    of `accelerate launch --config_file configs/cpu2.yaml` believe it is alone, size its batch for
+    one process and write the outputs itself.
+    """
+    import torch
+    from accelerate import PartialState
+
+    return PartialState(cpu=not torch.cuda.is_available())
 
 
 def check_scheduler(name: str) -> None:

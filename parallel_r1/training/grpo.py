@@ -48,6 +48,7 @@ from parallel_r1.rewards import REWARDS, RewardConfig, build_reward
 from parallel_r1.training.checkpoints import (
     check_scheduler,
     file_signature,
+    process_state,
     resume_point,
     trainer_arguments,
 )
@@ -320,6 +321,7 @@ class RLResult:
     dropped_prompts: int
     snapshots: list[str]
     is_main_process: bool
+    processes: int = 1  # data-parallel processes (rollout stats are this process's share)
 
 
 def _publish(staging: Path, out_dir: Path, snapshots: Path | None) -> list[str]:
@@ -358,8 +360,6 @@ def train_rl(options: RLOptions, init_dir: str | os.PathLike, rows: Sequence[Map
     max_steps continues it); the folder is removed once the model is in place. `engine_options` go
     to the rollout backend (transformers: max_batch_size, logits_processor).
     """
-    from accelerate import PartialState
-
     engine = options.resolved_engine()
     if engine != "vllm":
         _keep_trl_off_vllm()
@@ -371,7 +371,7 @@ def train_rl(options: RLOptions, init_dir: str | os.PathLike, rows: Sequence[Map
     )
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is TRL-experimental, knowingly used
-    state = PartialState()
+    state = process_state()
     init_dir, out_dir, checkpoint_dir = Path(init_dir), Path(out_dir), Path(checkpoint_dir)
     check_model_dir(init_dir)
     reward_config = reward_config or RewardConfig()
@@ -414,7 +414,8 @@ def train_rl(options: RLOptions, init_dir: str | os.PathLike, rows: Sequence[Map
         history=step_records(trainer.state.log_history, options.reward, reward_config, updates),
         resumed_from=resumed_from,
         train_seconds=train_seconds, rollout=trainer.rollout_stats, engine=engine, prompts=len(dataset),
-        dropped_prompts=dropped, snapshots=snapshots, is_main_process=state.is_main_process)
+        dropped_prompts=dropped, snapshots=snapshots, is_main_process=state.is_main_process,
+        processes=state.num_processes)
 
 
 def _keep_trl_off_vllm() -> None:

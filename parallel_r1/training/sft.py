@@ -48,6 +48,7 @@ from parallel_r1.structure import Structure, TagIds, attention_inputs, build_str
 from parallel_r1.training.checkpoints import (
     check_scheduler,
     file_signature,
+    process_state,
     resume_point,
     trainer_arguments,
 )
@@ -232,6 +233,7 @@ class SFTResult:
     loss_history: list[dict]
     resumed_from: str | None
     is_main_process: bool
+    processes: int = 1  # data-parallel processes
 
 
 def _fingerprint(options: SFTOptions, dataset, base_dir: Path) -> dict:
@@ -270,11 +272,9 @@ def train_sft(options: SFTOptions, base_dir: str | os.PathLike, rows: Sequence[M
     Weights stay float32 (the optimizer's master copy); with `dtype` bfloat16 the forward/backward
     run under bf16 autocast where the hardware has bf16 (`models.runs_in_bf16`).
     """
-    from accelerate import PartialState
-
     if not rows:
         raise PipelineError(f"{where}: zero rows — the filter kept nothing")
-    state = PartialState()
+    state = process_state()
     base_dir, out_dir, checkpoint_dir = Path(base_dir), Path(out_dir), Path(checkpoint_dir)
     model, tokenizer = load_model(base_dir, "float32", attn_implementation=options.attn_implementation)
     dataset = sft_dataset(rows, tokenizer, where)
@@ -308,5 +308,5 @@ def train_sft(options: SFTOptions, base_dir: str | os.PathLike, rows: Sequence[M
         completion_tokens=sum(sum(1 for t in row if t != -100) for row in labels),
         trained_tokens=int(token_logs[-1]) if token_logs else None,
         final_loss=history[-1]["loss"] if history else None, loss_history=history,
-        resumed_from=resumed_from, is_main_process=state.is_main_process,
+        resumed_from=resumed_from, is_main_process=state.is_main_process, processes=state.num_processes,
     )
