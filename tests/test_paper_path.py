@@ -337,6 +337,26 @@ def test_replicated_training_refuses_qwen3_4b_on_an_80gb_gpu_and_names_the_shard
     check_replicated_fits(1_000_000_000, gpu, 0.3, "rl@small")  # 15 GiB: DDP is fine
 
 
+def test_an_fsdp_launch_that_accelerate_runs_as_plain_data_parallel_stops_with_one_line(monkeypatch):
+    """accelerate 1.15 turns FSDP on only for GPU process groups: on CPUs configs/fsdp.yaml ran as DDP."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from parallel_r1.training.memory import check_sharding_active
+
+    def trainer(kind):
+        return SimpleNamespace(accelerator=SimpleNamespace(distributed_type=kind))
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(PipelineError, match=r"^sft@unseen: the launch config asks for FSDP, but accelerate runs "
+                                            r"MULTI_CPU here .*configs/cpu2.yaml$"):
+        check_sharding_active(trainer(DistributedType.MULTI_CPU), "sft@unseen")
+    check_sharding_active(trainer(DistributedType.FSDP), "sft@unseen")
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    check_sharding_active(trainer(DistributedType.MULTI_CPU), "sft@unseen")  # cpu2.yaml: nothing asked
+
+
 def test_bf16_weights_would_lose_every_update_at_the_paper_learning_rate():
     """Why policies keep float32 weights under bf16 mixed precision (training/memory.py)."""
     weight = torch.full((1000,), 0.02)

@@ -52,7 +52,7 @@ from parallel_r1.training.checkpoints import (
     resume_point,
     trainer_arguments,
 )
-from parallel_r1.training.memory import check_training_memory
+from parallel_r1.training.memory import check_sharding_active, check_training_memory
 from parallel_r1.training.rollout import engine_for_trainer, make_rollout_func
 
 if TYPE_CHECKING:  # the trainer module imports TRL: loaded in train_rl (see _keep_trl_off_vllm)
@@ -394,6 +394,7 @@ def train_rl(options: RLOptions, init_dir: str | os.PathLike, rows: Sequence[Map
         train_dataset=dataset, processing_class=tokenizer, structured=options.structured,
         rollout_func=rollout_function_for(options, engine, tokenizer, **(engine_options or {})),
         callbacks=[*([snapshotter] if snapshotter else []), *callbacks])
+    check_sharding_active(trainer, f"rl@{options.run}")
     if snapshotter:
         snapshotter.trainer = trainer
     started = time.perf_counter()

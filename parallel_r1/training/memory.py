@@ -42,3 +42,23 @@ def check_training_memory(model, reserved_share: float, where: str) -> None:
     parameters = sum(p.numel() for p in model.parameters())
     device_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     check_replicated_fits(parameters, device_bytes, reserved_share, where)
+
+
+LAUNCH_ENV = {"FSDP": "ACCELERATE_USE_FSDP", "DEEPSPEED": "ACCELERATE_USE_DEEPSPEED"}
+
+
+def check_sharding_active(trainer, where: str) -> None:
+    """Fail in one line when the launch asked for FSDP or DeepSpeed but the Trainer trains without it.
+
+    accelerate 1.15 enables FSDP only for GPU-type process groups (and DeepSpeed not with `cpu`):
+    `accelerate launch --config_file configs/fsdp.yaml` on a machine without CUDA trains as plain
+    data parallel (measured on 2 CPU processes: distributed type MULTI_CPU, `is_fsdp_enabled`
+    False), each process holding the whole training state the config was chosen to shard.
+    """
+    import os
+
+    asked = [kind for kind, env in LAUNCH_ENV.items() if os.environ.get(env, "false").lower() == "true"]
+    running = trainer.accelerator.distributed_type.value
+    if asked and running not in SHARDED_TYPES:
+        raise PipelineError(f"{where}: the launch config asks for {asked[0]}, but accelerate runs {running} "
+                            "here (FSDP and ZeRO-3 need GPUs); on a CPU launch with configs/cpu2.yaml")

@@ -52,6 +52,7 @@ from parallel_r1.training.checkpoints import (
     resume_point,
     trainer_arguments,
 )
+from parallel_r1.training.memory import check_sharding_active
 from parallel_r1.training.saving import save_full_model
 
 Variant = Literal["seen", "unseen"]
@@ -283,6 +284,7 @@ def train_sft(options: SFTOptions, base_dir: str | os.PathLike, rows: Sequence[M
                            bf16=runs_in_bf16(dtype),
                            processes=state.num_processes,
                            callbacks=callbacks)
+    check_sharding_active(trainer, f"sft@{options.variant}")
     trainer.train(resume_from_checkpoint=resumed_from)
 
     staging = checkpoint_dir / "final"
