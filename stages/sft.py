@@ -66,8 +66,8 @@ def main(argv: list[str] | None = None) -> None:
             return
         train_seconds = time.perf_counter() - started
         mirror = section(params, "data").get("mirror_dir")
-        questions = [p["question"] for p in load_problems(PROBE_SET, mirror, options.probe_questions)]
-        probe = probe_parallel_blocks(result.model_dir, questions, options.probe_max_tokens, variant=variant,
+        problems = load_problems(PROBE_SET, mirror, options.probe_questions)
+        probe = probe_parallel_blocks(result.model_dir, problems, options.probe_max_tokens, variant=variant,
                                       dtype=dtype)
         summary = {
             "variant": variant,
@@ -91,11 +91,14 @@ def main(argv: list[str] | None = None) -> None:
                               "parallel_block_rate": probe["parallel_block_rate"],
                               "parallel_tag_rate": probe["parallel_tag_rate"],
                               "probe_mean_response_tokens": probe["mean_response_tokens"],
+                              "probe_finished_rate": probe["finished_rate"],
+                              "probe_accuracy": probe["accuracy"],
                               "wall_seconds": summary["wall_seconds"]})
         tracking.log_model_reference(result.model_dir)
     log.info(f"sft@{variant}: {result.steps} steps on {result.examples} examples, loss "
           f"{summary['first_loss']} -> {result.final_loss}, {summary['wall_seconds']} s; parallel-block rate "
-          f"{probe['parallel_block_rate']:.2f} on {probe['questions']} {PROBE_SET} questions -> "
+          f"{probe['parallel_block_rate']:.2f}, accuracy {probe['accuracy']:.2f}, finished "
+          f"{probe['finished_rate']:.2f} on {probe['questions']} {PROBE_SET} questions -> "
           f"{result.model_dir}")
 
 if __name__ == "__main__":

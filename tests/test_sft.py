@@ -19,7 +19,7 @@ from parallel_r1.io import read_json, write_jsonl
 from parallel_r1.models import TinyModelConfig, build_tiny_model, load_model, load_tokenizer, prepare_base_model
 from parallel_r1.prompts import render_prompt
 from parallel_r1.structure import TagIds, build_structure
-from parallel_r1.training.probe import CAUSAL_DECODING, ENGINE_DECODING
+from parallel_r1.training.probe import CAUSAL_DECODING, ENGINE_DECODING, _report
 from parallel_r1.training.sft import ParallelSFTCollator, SFTOptions, batch_structure, install_structured_attention, \
     make_trainer, sft_dataset, train_sft
 from stages.sft import sft_options
@@ -211,6 +211,7 @@ def test_stage_writes_model_loss_curve_and_summary(variant, demos, mirror, tmp_p
     probe = summary["probe"]
     assert probe["questions"] == 2 and 0.0 <= probe["parallel_block_rate"] <= 1.0
     assert len(probe["examples"]) == 2 and all(isinstance(e["response"], str) for e in probe["examples"])
+    assert 0.0 <= probe["finished_rate"] <= 1.0 and 0.0 <= probe["accuracy"] <= 1.0
     # each variant is probed the way it decodes: Unseen by the structured forking engine, with the
     # free causal decoding kept beside it for reference
     if variant == "unseen":
@@ -220,3 +221,16 @@ def test_stage_writes_model_loss_curve_and_summary(variant, demos, mirror, tmp_p
         assert probe["decoding"] == CAUSAL_DECODING and "causal" not in probe
     assert json.dumps(summary)
     assert not (tmp_path / f"checkpoints/sft_{variant}").exists()
+
+
+def test_probe_report_counts_finished_and_correct_responses():
+    """The probe's accuracy uses the paper checker on the last Final Answer, and a response cut by
+    the token cap counts as unfinished (it has no answer for accuracy-based RL to reward)."""
+    block = "<Parallel><Path>6 x 3</Path><Path>3 + 3 + ...</Path></Parallel><Summary>18</Summary>"
+    texts = [f"{block}\nFinal Answer: 18", "Final Answer: 17", f"{block} so the answer is"]
+    problems = [{"question": f"q{i}", "ground_truth": "18", "answer_kind": "gsm8k"} for i in range(3)]
+    report = _report(texts, [30, 5, 28], [False, False, True], problems, 32, CAUSAL_DECODING, 1)
+    assert report["accuracy"] == pytest.approx(1 / 3)
+    assert report["finished_rate"] == pytest.approx(2 / 3)
+    assert report["parallel_block_rate"] == pytest.approx(2 / 3)
+    assert report["examples"][0]["question"] == "q0"

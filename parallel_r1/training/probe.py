@@ -16,13 +16,14 @@ Each variant is decoded the way it is meant to be used:
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from parallel_r1.format import check_format, parallel_ratio
 from parallel_r1.models import load_model, runs_in_bf16
 from parallel_r1.prompts import render_prompt
+from parallel_r1.rewards import is_correct
 from parallel_r1.training.sft import end_of_turn
 
 ENGINE_DECODING = ("greedy, forking engine with structured attention (the official loop: the engine inserts "
@@ -30,25 +31,32 @@ ENGINE_DECODING = ("greedy, forking engine with structured attention (the offici
 CAUSAL_DECODING = "greedy, causal attention, no forking"
 
 
-def probe_parallel_blocks(model_dir: str | os.PathLike, questions: Sequence[str], max_new_tokens: int, *,
-                          variant: str = "seen", dtype: str = "float32",
+def probe_parallel_blocks(model_dir: str | os.PathLike, problems: Sequence[Mapping[str, str]],
+                          max_new_tokens: int, *, variant: str = "seen", dtype: str = "float32",
                           n_examples: int = 2) -> dict[str, Any]:
-    """How many of `questions` get >= 1 well-formed block (`format.parallel_ratio`), decoded as
-    `variant` is used; `dtype` as evaluation runs it (bfloat16 only where `runs_in_bf16`)."""
+    """How many of `problems` (question, ground_truth, answer_kind) get >= 1 well-formed block
+    (`format.parallel_ratio`), decoded as `variant` is used; `dtype` as evaluation runs it
+    (bfloat16 only where `runs_in_bf16`).
+
+    Also reported, because they decide whether accuracy-based RL can get a gradient at all: the
+    share of responses that end before `max_new_tokens` (a cut response has no final answer) and
+    the share answered correctly (the paper checker)."""
     dtype = dtype if runs_in_bf16(dtype) else "float32"
     model, tokenizer = load_model(model_dir, dtype, attn_implementation="sdpa")
     model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
-    causal = _report(*_causal_greedy(model, tokenizer, questions, max_new_tokens), questions, max_new_tokens,
+    questions = [p["question"] for p in problems]
+    causal = _report(*_causal_greedy(model, tokenizer, questions, max_new_tokens), problems, max_new_tokens,
                      CAUSAL_DECODING, n_examples)
     if variant != "unseen":
         return causal
-    engine = _report(*_engine_greedy(model, tokenizer, questions, max_new_tokens), questions, max_new_tokens,
+    engine = _report(*_engine_greedy(model, tokenizer, questions, max_new_tokens), problems, max_new_tokens,
                      ENGINE_DECODING, n_examples)
     return {**engine, "causal": {key: causal[key] for key in
-                                 ("decoding", "parallel_block_rate", "parallel_tag_rate", "format_check")}}
+                                 ("decoding", "parallel_block_rate", "parallel_tag_rate", "format_check",
+                                  "finished_rate", "accuracy")}}
 
 
-Responses = tuple[list[str], list[int]]  # texts and their token counts
+Responses = tuple[list[str], list[int], list[bool]]  # texts, their token counts, cut by the cap
 
 
 def _causal_greedy(model, tokenizer, questions: Sequence[str], max_new_tokens: int) -> Responses:
@@ -63,13 +71,14 @@ def _causal_greedy(model, tokenizer, questions: Sequence[str], max_new_tokens: i
     with torch.no_grad():
         out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=stops,
                              pad_token_id=tokenizer.pad_token_id)
-    texts, lengths = [], []
+    texts, lengths, cut = [], [], []
     for row in out[:, enc["input_ids"].shape[1]:].tolist():
         ends = [i for i, t in enumerate(row) if t in stops]
+        cut.append(not ends)
         row = row[:ends[0]] if ends else row
         lengths.append(len(row))
         texts.append(tokenizer.decode(row, skip_special_tokens=False))
-    return texts, lengths
+    return texts, lengths, cut
 
 
 def _engine_greedy(model, tokenizer, questions: Sequence[str], max_new_tokens: int) -> Responses:
@@ -84,11 +93,12 @@ def _engine_greedy(model, tokenizer, questions: Sequence[str], max_new_tokens: i
         rollouts = engine.generate(prompt_ids, 1)
     finally:
         engine.close()
-    return [r.text for r in rollouts], [len(r.completion_ids) for r in rollouts]
+    return ([r.text for r in rollouts], [len(r.completion_ids) for r in rollouts],
+            [r.truncated for r in rollouts])
 
 
-def _report(texts: list[str], lengths: list[int], questions: Sequence[str], max_new_tokens: int,
-            decoding: str, n_examples: int) -> dict[str, Any]:
+def _report(texts: list[str], lengths: list[int], cut: list[bool], problems: Sequence[Mapping[str, str]],
+            max_new_tokens: int, decoding: str, n_examples: int) -> dict[str, Any]:
     reasons: dict[str, int] = {}
     for text in texts:
         verdict = check_format(text)
@@ -103,5 +113,9 @@ def _report(texts: list[str], lengths: list[int], questions: Sequence[str], max_
         "parallel_tag_rate": sum("<Parallel>" in t for t in texts) / len(texts) if texts else 0.0,
         "format_check": dict(sorted(reasons.items())),
         "mean_response_tokens": sum(lengths) / len(lengths) if lengths else 0.0,
-        "examples": [{"question": questions[i], "response": texts[i]} for i in ranked[:n_examples]],
+        "finished_rate": 1 - sum(cut) / len(cut) if cut else 0.0,
+        "accuracy": sum(is_correct(text, p["ground_truth"], p["answer_kind"])
+                        for text, p in zip(texts, problems, strict=True)) / len(texts) if texts else 0.0,
+        "examples": [{"question": problems[i]["question"], "response": texts[i]}
+                     for i in ranked[:n_examples]],
     }
