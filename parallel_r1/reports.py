@@ -60,8 +60,9 @@ PROFILE_NOTES = {
     "small": "SmolLM2-135M-Instruct on a CPU, minutes of SFT and a few RL steps. What it shows: the "
              "model learns the parallel format in SFT (parallel ratio, block position, path diversity) "
              "and every cell is computed by the real pipeline. What it cannot show: the paper's "
-             "accuracies -- a 135M model scores ~0 on AIME/AMC/MATH, and on GSM8K its responses mostly "
-             "run past the short token cap (scored wrong). So in RL only the parallel-only reward reliably "
+             "accuracies -- a 135M model scores ~0 on AIME/AMC/MATH, and on GSM8K its answers (trained "
+             "on the released demos that fit 288 tokens, so most end inside the token cap) are rarely "
+             "right. So in RL only the parallel-only reward reliably "
              "gets a gradient: accuracy, parallel x accuracy, tiered and alternating give every rollout -1 "
              "until one answer is correct (tiered pays only for correct answers), and a GRPO group of equal "
              "rewards moves no weight (column 'steps with reward spread')",
