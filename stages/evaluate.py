@@ -159,8 +159,12 @@ def evaluate_folder(model: str, folder: Path, benchmarks: dict[str, int], params
     dtype = str(section(params, "model").get("dtype", "float32"))
     dtype = dtype if runs_in_bf16(dtype) else "float32"
 
+    engine = settings.get("engine", "auto")  # Unseen models: evaluate.unseen_engine unless "same"
+    if structured and settings.get("unseen_engine", "same") != "same":
+        engine = settings["unseen_engine"]
+
     def start_engine():
-        return make_engine(settings.get("engine", "auto"), folder, tokenizer, config, dtype=dtype,
+        return make_engine(engine, folder, tokenizer, config, dtype=dtype,
                            gpu_memory_utilization=settings.get("gpu_memory_utilization"),
                            enforce_eager=settings.get("enforce_eager"))
 

@@ -275,3 +275,38 @@ def test_partial_files_lie_outside_the_stage_outputs():
     assert partial_path("base", Path("models/base")) == Path("data/partial/eval/base.jsonl")
     assert partial_path("scaffold", Path("models/scaffold/steps/step-40")) == Path(
         "data/partial/eval/scaffold-step-40.jsonl")
+
+
+def test_unseen_models_are_evaluated_with_evaluate_unseen_engine(inside, monkeypatch):
+    """evaluate.unseen_engine picks the engine of Unseen models only (exact transformers or fast vLLM);
+    "same" and Seen models keep evaluate.engine (the tiny profile's: transformers)."""
+    import stages.evaluate as stage
+
+    class Started(Exception):
+        pass
+
+    kinds = []
+
+    def make_engine(kind, *args, **kwargs):
+        kinds.append(kind)
+        raise Started
+
+    monkeypatch.setattr(stage, "make_engine", make_engine)
+    params = inside / "params.yaml"
+    text = params.read_text()
+    models = ("sft_unseen", "sft_seen")
+    try:
+        for name in models:  # an earlier test may have left a (corrupt) copy there
+            shutil.rmtree(inside / "models" / name, ignore_errors=True)
+            shutil.copytree(inside / "models/base", inside / "models" / name)
+        for setting in ("vllm", "same"):
+            params.write_text(text.replace("  unseen_engine: same          # Unseen models",
+                                           f"  unseen_engine: {setting}          # Unseen models"))
+            for name in models:
+                with pytest.raises(Started):
+                    stage.main([name])
+    finally:
+        params.write_text(text)
+        for name in models:
+            shutil.rmtree(inside / "models" / name, ignore_errors=True)
+    assert kinds == ["vllm", "transformers", "transformers", "transformers"]

@@ -465,3 +465,15 @@ def test_a_transformers_run_keeps_trl_from_importing_vllm():
             "from parallel_r1.training.grpo_trainer import ParallelGRPOTrainer; print('vllm' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.split()[-1] == "False"
+
+
+def test_unseen_runs_can_pick_their_own_engine():
+    """rl.unseen_engine: Unseen runs choose exact (transformers) or fast (vllm) decoding; Seen runs and
+    "same" keep rl.engine; an unknown name is a one-line error naming the param."""
+    exact = {**RL, "engine": "vllm", "unseen_engine": "transformers"}
+    assert options(exact, variant="unseen").resolved_engine() == "transformers"
+    assert options(exact, variant="seen").resolved_engine() == "vllm"
+    assert options({**RL, "unseen_engine": "same"}, variant="unseen").resolved_engine() == "transformers"
+    with pytest.raises(PipelineError, match="rl.unseen_engine: .*'fast'") as error:
+        options({**RL, "unseen_engine": "fast"}, variant="unseen")
+    assert "\n" not in str(error.value)

@@ -325,6 +325,53 @@ def test_server_mode_rollout_waits_for_every_process_first(tokenizer):
     assert events == ["barrier", "generate", "generate"]
 
 
+def sharded_trainer(zero_stage: int = 0, fsdp_version: int | None = None, gather: bool = True):
+    """What `whole_policy` reads from a GRPOTrainer launched under ZeRO-3 or FSDP (accelerate's state)."""
+    from types import SimpleNamespace
+
+    state = SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=zero_stage) if zero_stage else None,
+                            fsdp_plugin=SimpleNamespace(fsdp_version=fsdp_version) if fsdp_version else None)
+    return SimpleNamespace(accelerator=SimpleNamespace(state=state, process_index=0), model_wrapped="wrapped",
+                           args=SimpleNamespace(ds3_gather_for_generation=gather),
+                           state=SimpleNamespace(global_step=0))
+
+
+def test_transformers_rollouts_decode_a_gathered_policy_under_zero3(tokenizer, monkeypatch):
+    """ZeRO-3: every rollout batch runs inside TRL's unwrap_model_for_generation with the parameters
+    gathered (no collective left in the decode loop); FSDP, and ZeRO-3 without the gather, are refused
+    in one line instead of hanging in a per-layer all-gather."""
+    from contextlib import contextmanager
+
+    import trl.models
+
+    from parallel_r1.training.rollout import make_rollout_func
+
+    events = []
+
+    @contextmanager
+    def unwrap(model, accelerator, gather_deepspeed3_params):
+        events.append(("gather", model, gather_deepspeed3_params))
+        yield model
+        events.append("release")
+
+    class Engine:
+        def generate(self, prompt_ids, n, call=None):
+            events.append("generate")
+            return []
+
+    monkeypatch.setattr(trl.models, "unwrap_model_for_generation", unwrap)
+    rollout = make_rollout_func(lambda t: Engine(), tokenizer)
+    rollout(["What is 2 + 3?"], sharded_trainer(zero_stage=3))
+    assert events == [("gather", "wrapped", True), "generate", "release"]
+    rollout(["What is 2 + 3?"], sharded_trainer(zero_stage=2))  # ZeRO-2 keeps whole parameters
+    assert events[-1] == "generate"
+    for trainer, message in ((sharded_trainer(fsdp_version=2), "FSDP shards the policy"),
+                             (sharded_trainer(zero_stage=3, gather=False), "ds3_gather_for_generation")):
+        with pytest.raises(PipelineError, match=message) as error:
+            rollout(["What is 2 + 3?"], trainer)
+        assert "\n" not in str(error.value)
+
+
 # ---------------------------------------------------------------------------------- 4. what fits a GPU
 
 

@@ -93,6 +93,9 @@ class RLOptions:
         "vllm" uses TRL's own vLLM (`vllm_mode` colocate: the LLM TRL creates and keeps in sync;
         server: `trl vllm-serve` at `vllm_server_base_url`; vllm_gpu_memory_utilization is vLLM's share
         of each GPU in colocate mode), "auto" = `engine.resolve_engine` (vLLM on CUDA, else transformers).
+        unseen_engine: the engine of Unseen runs ("same" = `engine`): "transformers" samples exactly
+            the structure the trainer scores (path-window mask, multiverse positions; slower), "vllm"
+            samples the summary and what follows causally (fast, inexact for Unseen).
         vllm_importance_sampling_correction: TRL's truncated-IS weight exp(sum(train - sampling
         log-probs)) per sequence. Off: forked rollouts are never re-scored in the context they were
         sampled in (see `grpo_config`), so the weight would punish exactly the parallel responses.
@@ -124,6 +127,7 @@ class RLOptions:
     num_paths: int = field(default=2, metadata={"min": 2})
     max_blocks: int = field(default=4, metadata={"min": 0})
     engine: EngineKind = "auto"
+    unseen_engine: Literal["same", "auto", "vllm", "transformers"] = "same"
     vllm_mode: Literal["colocate", "server"] = "colocate"
     vllm_server_base_url: str | None = None
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"min": 0})
@@ -156,10 +160,12 @@ class RLOptions:
         return self.batch_size // (self.mini_batch_size or self.batch_size)
 
     def resolved_engine(self) -> Literal["vllm", "transformers"]:
-        """"vllm" or "transformers", by the one rule of `engine.resolve_engine`."""
+        """"vllm" or "transformers", by the one rule of `engine.resolve_engine` (Unseen runs:
+        `unseen_engine` unless it is "same")."""
         from parallel_r1.engine import resolve_engine
 
-        return resolve_engine(self.engine)
+        own = self.structured and self.unseen_engine != "same"
+        return resolve_engine(self.unseen_engine if own else self.engine)
 
 
 @dataclass(frozen=True)

