@@ -34,7 +34,7 @@ from typing import Callable, Sequence
 from tqdm import tqdm
 
 from parallel_r1 import tracking
-from parallel_r1.engine import RolloutConfig, make_engine
+from parallel_r1.engine import RolloutConfig, engine_for_variant, make_engine, resolve_engine
 from parallel_r1.errors import PipelineError
 from parallel_r1.evaluation import (
     Job,
@@ -80,11 +80,13 @@ def partial_path(model: str, folder: Path) -> Path:
     return PARTIAL_DIR / (f"{model}.jsonl" if folder.name == model else f"{model}-{folder.name}.jsonl")
 
 
-def stamp(folder: Path, prompt: str, config: RolloutConfig, dtype: str) -> str:
+def stamp(folder: Path, prompt: str, config: RolloutConfig, dtype: str, engine: str) -> str:
     """What a partial sample depends on beyond its key: the checkpoint's files (name, size, mtime) and
-    the sampling settings. A kill, then a retrained model or new settings must not reuse old samples.
+    the sampling settings, engine included (vLLM decodes Unseen summaries causally). A kill, then a
+    retrained model or new settings must not reuse old samples.
     (the same file signature that identifies a training run's starting model)."""
-    text = json.dumps([file_signature(folder), prompt, dataclasses.asdict(config), dtype], sort_keys=True)
+    text = json.dumps([file_signature(folder), prompt, dataclasses.asdict(config), dtype, engine],
+                      sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -159,9 +161,8 @@ def evaluate_folder(model: str, folder: Path, benchmarks: dict[str, int], params
     dtype = str(section(params, "model").get("dtype", "float32"))
     dtype = dtype if runs_in_bf16(dtype) else "float32"
 
-    engine = settings.get("engine", "auto")  # Unseen models: evaluate.unseen_engine unless "same"
-    if structured and settings.get("unseen_engine", "same") != "same":
-        engine = settings["unseen_engine"]
+    engine = engine_for_variant(settings.get("engine", "auto"), settings.get("unseen_engine", "same"),
+                                structured)
 
     def start_engine():
         return make_engine(engine, folder, tokenizer, config, dtype=dtype,
@@ -169,8 +170,9 @@ def evaluate_folder(model: str, folder: Path, benchmarks: dict[str, int], params
                            enforce_eager=settings.get("enforce_eager"))
 
     jobs = benchmark_jobs(tokenizer, {name: (problems[name], k) for name, k in benchmarks.items()}, prompt)
-    samples = generate_resumably(jobs, partial_path(model, folder), stamp(folder, prompt, config, dtype),
-                                 start_engine, f"evaluate {model}")
+    run_stamp = stamp(folder, prompt, config, dtype, resolve_engine(engine))
+    samples = generate_resumably(jobs, partial_path(model, folder), run_stamp, start_engine,
+                                 f"evaluate {model}")
     checker = settings.get("checker", "paper")
     results = {}
     for name, generated in by_benchmark(jobs, samples, benchmarks).items():

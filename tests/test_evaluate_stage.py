@@ -310,3 +310,15 @@ def test_unseen_models_are_evaluated_with_evaluate_unseen_engine(inside, monkeyp
         for name in models:
             shutil.rmtree(inside / "models" / name, ignore_errors=True)
     assert kinds == ["vllm", "transformers", "transformers", "transformers"]
+
+
+def test_partial_samples_of_another_engine_are_not_reused(inside):
+    """The resume stamp names the engine: vLLM decodes Unseen summaries causally, so samples it left
+    behind must not complete a transformers evaluation (or the other way round)."""
+    from parallel_r1.engine import RolloutConfig
+    from stages.evaluate import stamp
+
+    config = RolloutConfig(structured=True)
+    folder = inside / "models/base"
+    assert stamp(folder, "parallel", config, "float32", "vllm") != stamp(folder, "parallel", config, "float32",
+                                                                          "transformers")

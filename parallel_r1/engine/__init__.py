@@ -27,8 +27,8 @@ EngineKind = Literal["auto", "vllm", "transformers"]
 ENGINE_KINDS = ("auto", "vllm", "transformers")
 
 __all__ = ["Backend", "ENGINE_KINDS", "Rollout", "RolloutConfig", "RolloutEngine", "SegmentRequest",
-           "SegmentResult", "make_engine", "resolve_engine", "stop_token_ids", "transformers_engine",
-           "vllm_available"]
+           "SegmentResult", "engine_for_variant", "make_engine", "resolve_engine", "stop_token_ids",
+           "transformers_engine", "vllm_available"]
 
 
 def vllm_available() -> bool:
@@ -51,6 +51,12 @@ def resolve_engine(kind: str) -> Literal["vllm", "transformers"]:
     import torch
 
     return "vllm" if vllm_available() and torch.cuda.is_available() else "transformers"
+
+
+def engine_for_variant(engine: str, unseen_engine: str, structured: bool) -> str:
+    """The engine kind a run or evaluation uses: `unseen_engine` for an Unseen (structured) model
+    unless it is "same", else `engine` (params `rl.engine` / `rl.unseen_engine`, and evaluate's)."""
+    return unseen_engine if structured and unseen_engine != "same" else engine
 
 
 def stop_token_ids(tokenizer, generation_eos: int | Sequence[int] | None = None) -> frozenset[int]:

@@ -162,10 +162,9 @@ class RLOptions:
     def resolved_engine(self) -> Literal["vllm", "transformers"]:
         """"vllm" or "transformers", by the one rule of `engine.resolve_engine` (Unseen runs:
         `unseen_engine` unless it is "same")."""
-        from parallel_r1.engine import resolve_engine
+        from parallel_r1.engine import engine_for_variant, resolve_engine
 
-        own = self.structured and self.unseen_engine != "same"
-        return resolve_engine(self.unseen_engine if own else self.engine)
+        return resolve_engine(engine_for_variant(self.engine, self.unseen_engine, self.structured))
 
 
 @dataclass(frozen=True)
