@@ -58,6 +58,11 @@ TEACHER_DEMOS_MODEL = "deepseek-ai/DeepSeek-R1-0528-Qwen3-8B"
 TEACHER_DEMOS = Source("teacher_demos_gsm8k.jsonl", "Parallel-R1/Parallel-GSM8K", None, "train", "gsm8k")
 
 
+# Problem sets built from other sources (prepare_data's `source` takes these names too).
+RELEASED_QUESTIONS = "gsm8k_train_released"
+PROBLEM_SETS = (*SOURCES, RELEASED_QUESTIONS)
+
+
 def mirror_dir(configured: str | os.PathLike | None) -> Path | None:
     """The mirror folder: env PARALLEL_R1_DATA if set, else the param; None = use the Hub."""
     chosen = os.environ.get(MIRROR_ENV) or configured
@@ -93,10 +98,12 @@ def _load_raw(name: str, source: Source, mirror: Path | None) -> list[tuple[str,
 
 def load_problems(name: str, mirror: str | os.PathLike | None, limit: int | None = None) -> list[dict]:
     """Problems of dataset `name` in the common record shape, the first `limit` rows if given."""
-    if name not in SOURCES:
-        raise PipelineError(f"dataset {name!r} is unknown (choose from {', '.join(SOURCES)})")
+    if name not in PROBLEM_SETS:
+        raise PipelineError(f"dataset {name!r} is unknown (choose from {', '.join(PROBLEM_SETS)})")
     if limit is not None and limit < 0:
         raise PipelineError(f"dataset {name}: limit must be >= 0, got {limit}")
+    if name == RELEASED_QUESTIONS:
+        return released_questions(mirror)[:limit]
     source = SOURCES[name]
     rows = _load_raw(name, source, mirror_dir(mirror))
     problems = []
@@ -113,6 +120,26 @@ def load_problems(name: str, mirror: str | os.PathLike | None, limit: int | None
             "answer_kind": source.answer_kind,
             "dataset": name,
         })
+    return problems
+
+
+def released_questions(mirror: str | os.PathLike | None) -> list[dict]:
+    """The GSM8K train problems that have a released teacher generation, in the release's order.
+
+    These are the questions Parallel-GSM8K (the cold-start SFT set) is built from. The paper's GSM8K
+    RL set, all of GSM8K train, contains every SFT question; a small RL subset drawn from these keeps
+    that overlap, where the first rows of GSM8K train share almost none with the 300 released. Rows
+    carry their GSM8K train id and truth (the release numbers its rows on its own: its
+    "gsm8k-train-439" is not GSM8K train row 439), matched by question text.
+    """
+    train = {problem["question"].strip(): problem for problem in load_problems("gsm8k_train", mirror)}
+    problems = []
+    for demo in load_teacher_demos(mirror):
+        problem = train.get(demo["question"].strip())
+        if problem is None:
+            raise PipelineError(f"dataset {RELEASED_QUESTIONS}: released demo {demo['id']}'s question is not "
+                                f"in GSM8K train ({demo['question'][:60]!r})")
+        problems.append(dict(problem, dataset=RELEASED_QUESTIONS))
     return problems
 
 

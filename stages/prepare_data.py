@@ -14,7 +14,7 @@ import sys
 from typing import Sequence
 
 from parallel_r1 import tracking
-from parallel_r1.data import SOURCES, load_problems
+from parallel_r1.data import PROBLEM_SETS, load_problems
 from parallel_r1.errors import PipelineError
 from parallel_r1.io import write_jsonl
 from stages.common import load_params, log, section, stage_main
@@ -26,9 +26,9 @@ def check_entry(where: str, spec: object) -> None:
         raise PipelineError(f"{where}: expected a mapping with source and limit, got {spec!r}")
     if "source" not in spec:
         raise PipelineError(f"{where}: missing key 'source'")
-    if spec["source"] not in SOURCES:
+    if spec["source"] not in PROBLEM_SETS:
         raise PipelineError(f"{where}.source: unknown dataset {spec['source']!r} "
-                            f"(choose from {', '.join(SOURCES)})")
+                            f"(choose from {', '.join(PROBLEM_SETS)})")
     limit = spec.get("limit")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise PipelineError(f"{where}.limit: must be an integer >= 1 or null, got {limit!r}")

@@ -6,15 +6,15 @@ import json
 
 import pytest
 
-from parallel_r1.data import SOURCES, load_problems, load_teacher_demos
+from parallel_r1.data import PROBLEM_SETS, load_problems, load_teacher_demos
 from parallel_r1.errors import PipelineError
 from parallel_r1.io import read_jsonl
 
-EXPECTED_ROWS = {"gsm8k_train": 7473, "gsm8k_test": 1319, "dapo": 17917, "aime24": 30, "aime25": 30,
+EXPECTED_ROWS = {"gsm8k_train": 7473, "gsm8k_train_released": 300, "gsm8k_test": 1319, "dapo": 17917, "aime24": 30, "aime25": 30,
                  "amc23": 40, "math": 316, "math500": 500}
 
 
-@pytest.mark.parametrize("name", sorted(SOURCES))
+@pytest.mark.parametrize("name", sorted(PROBLEM_SETS))
 def test_every_dataset_loads_offline_in_the_common_shape(name, mirror):
     problems = load_problems(name, mirror)
     assert len(problems) == EXPECTED_ROWS[name]
@@ -28,6 +28,18 @@ def test_every_dataset_loads_offline_in_the_common_shape(name, mirror):
 def test_gsm8k_ground_truth_is_the_number_after_hashes(mirror):
     first = load_problems("gsm8k_train", mirror, limit=1)[0]
     assert first["ground_truth"] == "72"
+
+
+def test_released_questions_are_the_teacher_demos_questions_of_gsm8k_train(mirror):
+    """The small profile's GSM8K RL prompts: the questions the SFT set is built from, GSM8K train's truths."""
+    released = load_problems("gsm8k_train_released", mirror)
+    demos = load_teacher_demos(mirror)
+    assert [p["question"].strip() for p in released] == [d["question"].strip() for d in demos]
+    train = {p["id"]: p for p in load_problems("gsm8k_train", mirror)}
+    for problem, demo in zip(released, demos, strict=True):
+        assert problem["question"] == train[problem["id"]]["question"]  # its GSM8K train id, not the demo's
+        assert problem["ground_truth"] == train[problem["id"]]["ground_truth"] == demo["ground_truth"]
+    assert load_problems("gsm8k_train_released", mirror, limit=2) == released[:2]
 
 
 def test_limit_takes_the_first_rows(mirror):
