@@ -338,8 +338,9 @@ def sharded_trainer(zero_stage: int = 0, fsdp_version: int | None = None, gather
 
 def test_transformers_rollouts_decode_a_gathered_policy_under_zero3(tokenizer, monkeypatch):
     """ZeRO-3: every rollout batch runs inside TRL's unwrap_model_for_generation with the parameters
-    gathered (no collective left in the decode loop); FSDP, and ZeRO-3 without the gather, are refused
-    in one line instead of hanging in a per-layer all-gather."""
+    gathered (no collective left in the decode loop); FSDP2 decodes as it is (the engine pairs the
+    processes' forwards: test_lockstep.py); FSDP1, and ZeRO-3 without the gather, are refused in one
+    line instead of hanging in a per-layer all-gather."""
     from contextlib import contextmanager
 
     import trl.models
@@ -365,7 +366,9 @@ def test_transformers_rollouts_decode_a_gathered_policy_under_zero3(tokenizer, m
     assert events == [("gather", "wrapped", True), "generate", "release"]
     rollout(["What is 2 + 3?"], sharded_trainer(zero_stage=2))  # ZeRO-2 keeps whole parameters
     assert events[-1] == "generate"
-    for trainer, message in ((sharded_trainer(fsdp_version=2), "FSDP shards the policy"),
+    rollout(["What is 2 + 3?"], sharded_trainer(fsdp_version=2))  # no gather: decoded in lockstep
+    assert events[-2:] == ["generate", "generate"]
+    for trainer, message in ((sharded_trainer(fsdp_version=1), "FSDP1 is not supported"),
                              (sharded_trainer(zero_stage=3, gather=False), "ds3_gather_for_generation")):
         with pytest.raises(PipelineError, match=message) as error:
             rollout(["What is 2 + 3?"], trainer)

@@ -157,7 +157,11 @@ class Backend(Protocol):
 
 
 class StreamingBackend(Backend, Protocol):
-    """A backend that decodes requests as a running batch: rows join and retire every step."""
+    """A backend that decodes requests as a running batch: rows join and retire every step.
+
+    It may also have `drain()`, which the rollout loop calls at the end of every `generate` call
+    (the transformers backend pairs other processes' forwards there under FSDP: engine/lockstep.py).
+    """
 
     def submit(self, request: SegmentRequest) -> int:
         """Queue `request`; returns its ticket."""

@@ -47,6 +47,7 @@ import torch
 from parallel_r1.engine.base import SegmentRequest, SegmentResult
 from parallel_r1.engine.hf import TransformersBackend, no_autocast
 from parallel_r1.engine.kv_pool import Batch, DecodePool, KeptRow, PoolRow, cache_over, full_attention_only
+from parallel_r1.engine.lockstep import Lockstep
 from parallel_r1.errors import PipelineError
 from parallel_r1.structure import Structure, attention_inputs, build_structure
 
@@ -105,7 +106,10 @@ class ForkingTransformersBackend(TransformersBackend):
         self._kept: dict[Hashable, KeptRow] = {}
         self._queue: deque[tuple[int, SegmentRequest]] = deque()
         self._done: list[tuple[int, SegmentResult]] = []
-        self._pool = DecodePool(self.model, pad_token_id)
+        # FSDP across processes: every forward paired with the other processes' (engine/lockstep.py)
+        self._lockstep = Lockstep(self.model, pad_token_id) if Lockstep.needed(self.model) else None
+        self._forward = self._lockstep.forward if self._lockstep is not None else self.model
+        self._pool = DecodePool(self.model, pad_token_id, forward=self._forward)
         self._tickets = itertools.count()
         self._next_id = 0  # column identities
         self.stats = ForkingStats()
@@ -135,6 +139,12 @@ class ForkingTransformersBackend(TransformersBackend):
             if logits:
                 finished.extend(self._sample_and_retire(torch.cat(logits)))
         return finished
+
+    def drain(self) -> None:
+        """End of a `generate` call: under FSDP, pair the forwards other processes still run."""
+        if self._lockstep is not None:
+            with self._generating():
+                self._lockstep.drain()
 
     def sync_weights(self, model) -> None:
         super().sync_weights(model)
@@ -361,8 +371,8 @@ class ForkingTransformersBackend(TransformersBackend):
                                        query_length=fed)
         else:
             forward = {"attention_mask": valid.long(), "position_ids": positions[:, cached:]}
-        logits = self.model(input_ids=token_ids[:, cached:], past_key_values=cache, use_cache=True,
-                            logits_to_keep=1, **forward).logits[:, -1, :]
+        logits = self._forward(input_ids=token_ids[:, cached:], past_key_values=cache, use_cache=True,
+                               logits_to_keep=1, **forward).logits[:, -1, :]
         padding = ~valid[:, None, :, None]
         batch = Batch([layer.keys.masked_fill(padding, 0) for layer in cache.layers],
                       [layer.values.masked_fill(padding, 0) for layer in cache.layers],

@@ -122,8 +122,9 @@ _COLUMN_DATA = ("valid", "token_ids", "positions", "ids", "hidden_start", "hidde
 class DecodePool:
     """The rows decoded together, in one DynamicCache that rows join and leave every step."""
 
-    def __init__(self, model, pad_token_id: int) -> None:
+    def __init__(self, model, pad_token_id: int, forward=None) -> None:
         self.model = model
+        self._forward = forward or model  # the backend's forward (lockstep.Lockstep under FSDP)
         self.pad_token_id = pad_token_id
         self.rows: list[PoolRow] = []
         self.cache: Any = None  # transformers DynamicCache over self.batch's keys/values
@@ -172,9 +173,9 @@ class DecodePool:
         pending = torch.tensor([row.pending for row in self.rows], device=device)
         position = torch.tensor([row.next_position for row in self.rows], device=device)
         valid = torch.cat([batch.valid, torch.ones_like(batch.valid[:, :1])], dim=1)
-        logits = self.model(input_ids=pending[:, None], attention_mask=valid.long(),
-                            position_ids=position[:, None], past_key_values=self.cache,
-                            use_cache=True).logits[:, -1, :]
+        logits = self._forward(input_ids=pending[:, None], attention_mask=valid.long(),
+                               position_ids=position[:, None], past_key_values=self.cache,
+                               use_cache=True).logits[:, -1, :]
         layers = self.cache.layers
         self.batch = Batch([layer.keys for layer in layers], [layer.values for layer in layers], valid,
                            torch.cat([batch.token_ids, pending[:, None]], dim=1),

@@ -7,9 +7,10 @@ Each rollout runs (zhengkid/Parallel-R1, parallel_thinking_loop_v3.py):
   summary append `</Parallel>`, a newline and `<Summary>`, generate the summary conditioned on
          all paths until `</Summary>` (closed by the engine on EOS or budget); back to main.
 A rollout's next segment is submitted as soon as its current one has ended (for paths: all of
-its block's paths), so with a streaming backend (the KV-forking transformers one) rollouts never
-wait for each other; a batch-only backend (vLLM) is driven in rounds by `_RoundBarrier`. Paths of
-one block, and segments of different rollouts, decode side by side either way.
+its block's paths), so with a streaming backend (the KV-forking transformers one, offline vLLM)
+rollouts never wait for each other; a batch-only backend (the `trl vllm-serve` client) is driven
+in rounds by `_RoundBarrier`. Paths of one block, and segments of different rollouts, decode side
+by side either way.
 
 Paths are separate requests from the same context: a path never sees its siblings and starts
 at pos(`<Parallel>`) + 1 — the multiverse layout — in every backend. What differs is the
@@ -168,6 +169,9 @@ class RolloutEngine:
                 if len(done) == len(state.waiting):
                     self._advance(state, done)
                     submit(state)
+        drain = getattr(scheduler, "drain", None)  # a sharded policy: wait for the other processes
+        if drain is not None:
+            drain()
         return [self._rollout(state) for state in states]
 
     def sync_weights(self, model) -> None:

