@@ -9,9 +9,12 @@ fork, and blocks/rollout is printed: the runs exercise the forks, not just plain
 tok/s counts every completion token (main text, all paths, summaries, inserted tags) per second
 of `generate`; vLLM's engine start-up is timed apart. Each backend runs once untimed (warm-up),
 then is timed; ratios are against the transformers backend of the same run. The backends see
-the same prompts and seeds but do not sample identical tokens (different kernels).
+the same prompts and seeds but do not sample identical tokens (different kernels). `vllm` adds
+segments to vLLM's running engine as rollouts reach them (continuous scheduling); `vllm-rounds`
+serves each round of segments with one blocking `generate` (the round barrier), on the same seeds,
+so their ratio is what continuous scheduling buys. Writes metrics/bench/rollout_throughput.json.
 
-    python benchmarks/rollout_throughput.py                       # both backends where vLLM is installed
+    python benchmarks/rollout_throughput.py                       # every backend where vLLM is installed
     python benchmarks/rollout_throughput.py --backends transformers --prompts 16
     python benchmarks/rollout_throughput.py --plain             # plain generation (teacher stage)
 """
@@ -54,7 +57,8 @@ def fork_prone_model(folder: str, tag_scale: float):
 def measure(kind: str, folder: str, tokenizer, prompt_ids, args) -> dict:
     config = RolloutConfig(parallel=not args.plain, max_tokens=args.max_tokens, temperature=1.0, seed=0)
     started = time.perf_counter()
-    engine = make_engine(kind, folder, tokenizer, config, dtype="float32")
+    scheduling = "rounds" if kind == "vllm-rounds" else "continuous"
+    engine = make_engine(kind.split("-")[0], folder, tokenizer, config, dtype="float32", scheduling=scheduling)
     startup = time.perf_counter() - started
     try:
         engine.generate(prompt_ids[:2], 1)  # warm-up
@@ -75,12 +79,13 @@ def main() -> None:
     parser.add_argument("--generations", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--tag-scale", type=float, default=30.0)
-    parser.add_argument("--backends", nargs="+", default=["transformers", "vllm"], choices=["transformers", "vllm"])
+    parser.add_argument("--backends", nargs="+", default=["transformers", "vllm", "vllm-rounds"],
+                        choices=["transformers", "vllm", "vllm-rounds"])
     parser.add_argument("--data", default=GSM8K_TEST)
     parser.add_argument("--plain", action="store_true",
                         help="plain generation without forking (teacher generation, the GRPO baselines)")
     args = parser.parse_args()
-    backends = [b for b in args.backends if b != "vllm" or vllm_available()]
+    backends = [b for b in args.backends if not b.startswith("vllm") or vllm_available()]
     with open(args.data, encoding="utf-8") as source:
         questions = [json.loads(line)["question"] for _, line in zip(range(args.prompts), source)]
     with tempfile.TemporaryDirectory(prefix="rollout_bench_") as folder:
@@ -97,8 +102,11 @@ def main() -> None:
         ratio = f"{r['tokens_per_s'] / baseline:.2f}x" if baseline else "n/a"
         print(f"{r['backend']:<13}{r['startup_s']:>9.1f}{r['seconds']:>9.1f}{r['tokens']:>8}{r['sampled']:>9}"
               f"{r['tokens_per_s']:>9.1f}{r['blocks_per_rollout']:>16.2f}{ratio:>17}")
-    if "vllm" in args.backends and "vllm" not in backends:
+    if set(args.backends) - set(backends):
         print("vllm: not installed, skipped")
+    os.makedirs("metrics/bench", exist_ok=True)
+    with open("metrics/bench/rollout_throughput.json", "w", encoding="utf-8") as handle:
+        json.dump(dict(args=vars(args), results=results), handle, indent=2)
 
 
 if __name__ == "__main__":

