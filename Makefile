@@ -54,6 +54,7 @@ test-fast: setup
 bench: setup
 	$(BIN)/python benchmarks/structured_attention.py
 	$(BIN)/python benchmarks/rollout_throughput.py
+	$(BIN)/python benchmarks/rl_step.py
 	$(BIN)/python benchmarks/kv_forking.py
 	$(BIN)/python benchmarks/decode_kernels.py
 

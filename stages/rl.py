@@ -108,6 +108,8 @@ def summarize(run: str, options: RLOptions, result: RLResult, wall_seconds: floa
         "rollout_backend": result.engine,
         "rollout_tokens": result.rollout.tokens,
         "rollout_seconds": round(result.rollout.seconds, 2),
+        # this process's step time: rollout (engine) / scoring (rewards, log-probs) / update (fwd+bwd+optim)
+        "step_time_split": result.step_times,
         "rollout_tokens_per_s": round(rate, 1) if rate is not None else None,
         "final_reward": last.get("reward"),
         "final_accuracy": last.get("accuracy"),

@@ -302,6 +302,9 @@ def test_seen_grpo_step_forks_rollouts_rewards_them_and_saves_the_model(init_dir
     assert record["blocks_per_response"] == pytest.approx(record["parallel_ratio"])
     assert 0.0 < record["parallel_position"] < 0.5
     assert result.rollout.tokens > 0 and result.engine == "transformers"
+    split = result.step_times  # the step's time: rollout, then TRL's scoring, then the update
+    assert split["rollout_seconds"] == pytest.approx(result.rollout.seconds, abs=0.01)
+    assert split["scoring_seconds"] > 0 and split["update_seconds"] > 0
     assert changed_parameters(init_dir, result.model_dir) > 0  # mixed rewards -> a real update
     _, saved = load_model(result.model_dir)
     assert TagIds.from_tokenizer(saved) == TagIds.from_tokenizer(tokenizer)
@@ -451,6 +454,7 @@ def test_stage_writes_model_steps_and_summary(tmp_path, monkeypatch, init_dir):
     assert 0 <= steps[0]["frac_reward_zero_std"] <= 1  # TRL's per-step reward spread reaches steps.json
     assert summary["steps_with_reward_spread"] == int(steps[0]["frac_reward_zero_std"] < 1)
     assert summary["rollout_tokens_per_s"] > 0 and summary["final_reward"] == steps[0]["reward"]
+    assert set(summary["step_time_split"]) == {"rollout_seconds", "scoring_seconds", "update_seconds"}
     assert summary["profile"] == "tiny" and json.dumps(summary)
     load_model(tmp_path / "models/grpo_gsm8k")
 

@@ -50,6 +50,22 @@ class RolloutStats:
         return self.tokens / self.seconds if self.seconds > 0 else None
 
 
+@dataclass
+class StepTimes:
+    """Where this process's RL step time went: rollout (the engine), scoring (TRL's rewards, old and
+    reference log-probs, advantages: its `_generate_and_score_completions` less the rollout) and update
+    (forward, backward and optimizer: `training_step` less the two)."""
+
+    rollout: float = 0.0
+    generate_and_score: float = 0.0
+    training_steps: float = 0.0
+
+    def split(self) -> dict[str, float]:
+        return {"rollout_seconds": round(self.rollout, 2),
+                "scoring_seconds": round(max(self.generate_and_score - self.rollout, 0.0), 2),
+                "update_seconds": round(max(self.training_steps - self.generate_and_score, 0.0), 2)}
+
+
 class EpochSeededRepeatSampler(RepeatSampler):
     """TRL's RepeatSampler whose shuffle is reseeded from (seed, epoch) at every epoch.
 
@@ -79,6 +95,7 @@ class ParallelGRPOTrainer(GRPOTrainer):
     def __init__(self, model, reward_funcs, *, structured: bool = False, rollout_func=None, **kwargs) -> None:
         self.structured = structured
         self.rollout_stats = RolloutStats()
+        self.step_times = StepTimes()
         measured = self._measured(rollout_func) if rollout_func is not None else None
         super().__init__(model=model, reward_funcs=reward_funcs, rollout_func=measured, **kwargs)
         self.tags = TagIds.from_tokenizer(self._tokenizer)
@@ -95,6 +112,20 @@ class ParallelGRPOTrainer(GRPOTrainer):
             data_source=stock.data_source, mini_repeat_count=stock.mini_repeat_count,
             batch_size=stock.batch_size, repeat_count=stock.repeat_count,
             shuffle=stock.shuffle, seed=stock.seed)
+
+    def training_step(self, *args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return super().training_step(*args, **kwargs)
+        finally:
+            self.step_times.training_steps += time.perf_counter() - started
+
+    def _generate_and_score_completions(self, *args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return super()._generate_and_score_completions(*args, **kwargs)
+        finally:
+            self.step_times.generate_and_score += time.perf_counter() - started
 
     def _measured(self, rollout_func):
         def rollout(prompts, trainer):
@@ -113,6 +144,7 @@ class ParallelGRPOTrainer(GRPOTrainer):
         tokens = sum(len(ids) for ids in completions)
         self.rollout_stats.tokens += tokens
         self.rollout_stats.seconds += seconds
+        self.step_times.rollout += seconds
         self.rollout_stats.calls += 1
         if seconds > 0:
             self._log_metric("rollout_tokens_per_s", tokens / seconds)
