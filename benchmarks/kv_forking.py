@@ -36,7 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from parallel_r1.engine import RolloutConfig, transformers_engine  # noqa: E402
 from parallel_r1.engine.base import KVSpan, SegmentRequest  # noqa: E402
-from parallel_r1.models import TinyModelConfig, build_tiny_model, load_tokenizer, qwen3_tokenizer_dir  # noqa: E402
+from parallel_r1.models import (TinyModelConfig, build_tiny_model, load_model, load_tokenizer,  # noqa: E402
+                                qwen3_tokenizer_dir)
 from parallel_r1.prompts import render_prompt  # noqa: E402
 from parallel_r1.structure import TagIds  # noqa: E402
 
@@ -91,9 +92,14 @@ class Script:
         return None
 
 
-def setup():
-    tokenizer = load_tokenizer(qwen3_tokenizer_dir())
-    model = build_tiny_model(tokenizer, TinyModelConfig()).eval()
+def setup(model_dir: str | None = None):
+    """The tiny random-init Qwen3, or the model folder `model_dir` (e.g. the small profile's models/base)."""
+    if model_dir:
+        model, tokenizer = load_model(model_dir, "float32")
+        model.eval()
+    else:
+        tokenizer = load_tokenizer(qwen3_tokenizer_dir())
+        model = build_tiny_model(tokenizer, TinyModelConfig()).eval()
     prompts = [tokenizer(render_prompt(tokenizer, q), add_special_tokens=False)["input_ids"] for q in QUESTIONS]
     return (model, tokenizer, TagIds.from_tokenizer(tokenizer)), prompts
 
@@ -186,13 +192,18 @@ def main() -> None:
     parser.add_argument("--plain-length", type=int, default=1024)
     parser.add_argument("--mixed-length", type=int, default=1024)
     parser.add_argument("--path-tokens", type=int, default=128)
+    parser.add_argument("--model", default=None,
+                        help="a model folder with the tags (e.g. models/base of the small profile: SmolLM2-135M, "
+                             "30 layers, where re-encoding costs what it does in a real model); default: the tiny "
+                             "random-init Qwen3, whose 152k-token LM head dominates every step")
+    parser.add_argument("--out", default=OUT)
     args = parser.parse_args()
     torch.manual_seed(0)
-    setup_, prompts = setup()
+    setup_, prompts = setup(args.model)
     args.prompts_list = prompts[:args.rollouts]
     timed_rollouts(*setup_, args.prompts_list[:1], 64)  # warm-up
     timed_rollouts(*setup_, args.prompts_list[:1], 64, kv_forking=False)
-    results = dict(model=f"tiny Qwen3 {TinyModelConfig()}", device=str(setup_[0].device),
+    results = dict(model=args.model or f"tiny Qwen3 {TinyModelConfig()}", device=str(setup_[0].device),
                    threads=torch.get_num_threads(), rollouts=args.rollouts)
     results["forking_vs_reprefill"] = forking_vs_reprefill(setup_, args)
     print(f"1. exact Unseen, KV forking vs re-prefill ({args.rollouts} rollouts, 4 blocks x 2 paths)")
@@ -215,10 +226,10 @@ def main() -> None:
           f"3 paths of mixed lengths")
     print(f"rounds {r['rounds_s']:.2f} s, continuous {r['continuous_s']:.2f} s: {r['speedup']:.2f}x, "
           f"same tokens {r['same_tokens']}")
-    os.makedirs(os.path.dirname(OUT), exist_ok=True)
-    with open(OUT, "w", encoding="utf-8") as handle:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as handle:
         json.dump(results, handle, indent=2)
-    print(f"\nwrote {OUT}")
+    print(f"\nwrote {args.out}")
 
 
 if __name__ == "__main__":
