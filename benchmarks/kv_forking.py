@@ -180,7 +180,8 @@ def continuous_vs_rounds(setup_, args) -> dict:
     options = dict(mixed=True, paths=3, generations=2)
     rounds_s, tokens, rounds = timed_rollouts(*setup_, args.prompts_list, length, backend=dict(scheduling="rounds"),
                                               **options)
-    continuous_s, _, continuous = timed_rollouts(*setup_, args.prompts_list, length, **options)
+    continuous_s, _, continuous = timed_rollouts(*setup_, args.prompts_list, length,
+                                                 backend=dict(scheduling="continuous"), **options)
     return dict(length=length, rollouts=len(rounds), tokens=tokens, rounds_s=rounds_s, continuous_s=continuous_s,
                 speedup=rounds_s / continuous_s, same_tokens=same_tokens(continuous, rounds))
 

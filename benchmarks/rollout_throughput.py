@@ -57,7 +57,7 @@ def fork_prone_model(folder: str, tag_scale: float):
 def measure(kind: str, folder: str, tokenizer, prompt_ids, args) -> dict:
     config = RolloutConfig(parallel=not args.plain, max_tokens=args.max_tokens, temperature=1.0, seed=0)
     started = time.perf_counter()
-    scheduling = "rounds" if kind == "vllm-rounds" else "continuous"
+    scheduling = {"vllm": "continuous", "vllm-rounds": "rounds"}.get(kind)  # transformers: its default (auto)
     engine = make_engine(kind.split("-")[0], folder, tokenizer, config, dtype="float32", scheduling=scheduling)
     startup = time.perf_counter() - started
     try:
