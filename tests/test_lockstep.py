@@ -1,4 +1,4 @@
-"""Exact Unseen decoding of an FSDP2-sharded policy on 2 CPU processes (gloo): engine/lockstep.py.
+"""FSDP2 on 2 CPU processes (gloo): exact Unseen decoding (engine/lockstep.py) and the saved model.
 
 Each process holds half of every parameter (torch `fully_shard` per decoder layer and at the root),
 and every forward all-gathers them. The two processes decode different workloads -- 6 rollouts
@@ -112,3 +112,64 @@ def test_fsdp2_processes_decode_different_workloads_in_lockstep_exactly(tmp_path
         assert any(r.num_blocks for r in expected)
         got = [SimpleNamespace(**r) for r in record["rollouts"]]
         assert_same_rollouts(got, expected)
+
+
+def fsdp_saving_process(rank: int, port: int, out_dir: str) -> None:
+    """One of 2 processes: shard the policy with FSDP2, save it through `save_full_model` as a trainer
+    under configs/fsdp.yaml (SHARDED_STATE_DICT) would."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        from accelerate import Accelerator
+        from accelerate.utils import DistributedType
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from parallel_r1.training.saving import save_full_model
+
+        tiny = tiny_policy()
+        mesh = init_device_mesh("cpu", (2,))
+        for layer in tiny.model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(tiny.model, mesh=mesh)
+        # accelerate's own FSDP2 gather (Accelerator.get_state_dict), on the state it reads; accelerate
+        # itself runs FSDP only on GPUs, and transformers' Trainer._save is save_pretrained(state_dict=...)
+        gather_state = SimpleNamespace(distributed_type=DistributedType.FSDP, is_fsdp2=True)
+        accelerator = SimpleNamespace(
+            state=SimpleNamespace(fsdp_plugin=SimpleNamespace(state_dict_type="StateDictType.SHARDED_STATE_DICT")),
+            get_state_dict=lambda model: Accelerator.get_state_dict(gather_state, model),
+            wait_for_everyone=torch.distributed.barrier)
+        trainer = SimpleNamespace(
+            is_fsdp_enabled=True, accelerator=accelerator, model=tiny.model,
+            args=SimpleNamespace(should_save=rank == 0),
+            _save=lambda folder, state_dict: tiny.model.save_pretrained(folder, state_dict=state_dict),
+            save_model=lambda folder: pytest.fail("save_model writes no weights under a sharded state dict"))
+        save_full_model(trainer, Path(out_dir) / "saved")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp2_sharded_policy_is_saved_as_one_full_loadable_model(tmp_path):
+    """configs/fsdp.yaml keeps SHARDED_STATE_DICT; `save_full_model` gathers the full weights
+    (every process joins) and rank 0 writes a model that loads with the unsharded weights."""
+    from parallel_r1.models import load_model
+
+    context = multiprocessing.get_context("spawn")
+    port = free_port()
+    processes = [context.Process(target=fsdp_saving_process, args=(rank, port, str(tmp_path)))
+                 for rank in (0, 1)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=300)
+        if process.is_alive():
+            process.kill()
+    assert [process.exitcode for process in processes] == [0, 0]
+    saved, _ = load_model(tmp_path / "saved", "float32")
+    whole = tiny_policy().model.state_dict()
+    loaded = saved.state_dict()
+    assert set(loaded) == set(whole)
+    for name, tensor in whole.items():
+        assert type(loaded[name]) is torch.Tensor and torch.equal(loaded[name], tensor), name
