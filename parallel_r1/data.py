@@ -63,6 +63,13 @@ RELEASED_QUESTIONS = "gsm8k_train_released"
 PROBLEM_SETS = (*SOURCES, RELEASED_QUESTIONS)
 
 
+def mirror_files(name: str) -> frozenset[str]:
+    """The mirror files problem set `name` is read from (what its stage must declare as DVC deps)."""
+    if name == RELEASED_QUESTIONS:
+        return frozenset({SOURCES["gsm8k_train"].mirror_file, TEACHER_DEMOS.mirror_file})
+    return frozenset({SOURCES[name].mirror_file})
+
+
 def mirror_dir(configured: str | os.PathLike | None) -> Path | None:
     """The mirror folder: env PARALLEL_R1_DATA if set, else the param; None = use the Hub."""
     chosen = os.environ.get(MIRROR_ENV) or configured

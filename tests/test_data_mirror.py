@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from conftest import copy_repo
-from parallel_r1.data import SOURCES, TEACHER_DEMOS
+from parallel_r1.data import SOURCES, TEACHER_DEMOS, mirror_files
 from stages.common import link_mirror_for_temp_experiments, load_params
 from stages.sft import PROBE_SET
 
@@ -32,8 +32,8 @@ def mirror_deps() -> dict[str, set[str]]:
 def files_read(params: dict) -> dict[str, set[str]]:
     """The mirror files each stage reads under `params` (one profile), from the code's own tables."""
     data, generate = params["data"], params["generate_datasets"]
-    reads = {"prepare_data": {SOURCES[spec["source"]].mirror_file
-                              for group in ("rl", "eval") for spec in data[group].values()}}
+    reads = {"prepare_data": {file for group in ("rl", "eval") for spec in data[group].values()
+                              for file in mirror_files(spec["source"])}}
     for name, spec in generate.items():
         reads[f"generate@{name}"] = ({TEACHER_DEMOS.mirror_file} if spec["source"] == "released"
                                      else {SOURCES[spec["problems"]].mirror_file})
