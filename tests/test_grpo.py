@@ -304,7 +304,8 @@ def test_seen_grpo_step_forks_rollouts_rewards_them_and_saves_the_model(init_dir
     assert result.rollout.tokens > 0 and result.engine == "transformers"
     split = result.step_times  # the step's time: rollout, then TRL's scoring, then the update
     assert split["rollout_seconds"] == pytest.approx(result.rollout.seconds, abs=0.01)
-    assert split["scoring_seconds"] > 0 and split["update_seconds"] > 0
+    assert split["scoring_seconds"] >= 0 and split["update_seconds"] > 0  # scoring: ~0 s with beta 0
+    assert sum(split.values()) <= result.train_seconds + 0.05  # the three parts of the trainer's time
     assert changed_parameters(init_dir, result.model_dir) > 0  # mixed rewards -> a real update
     _, saved = load_model(result.model_dir)
     assert TagIds.from_tokenizer(saved) == TagIds.from_tokenizer(tokenizer)
