@@ -11,12 +11,14 @@ log-probs equal those of the whole, unsharded model decoding the same prompts in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
 import socket
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Iterator
 
 import pytest
 import torch
@@ -55,8 +57,9 @@ def decode(tiny, rank: int):
     return engine, engine.generate(prompts, generations)
 
 
-def sharded_process(rank: int, port: int, out_dir: str) -> None:
-    """One of the 2 processes: shard the policy, decode this rank's workload, write what it sampled."""
+@contextlib.contextmanager
+def sharded_tiny_policy(rank: int, port: int) -> Iterator[SimpleNamespace]:
+    """In one of 2 gloo processes: the tiny policy sharded with FSDP2 (per decoder layer and at the root)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
@@ -69,6 +72,31 @@ def sharded_process(rank: int, port: int, out_dir: str) -> None:
         for layer in tiny.model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(tiny.model, mesh=mesh)
+        yield tiny
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def run_two_processes(target, out_dir: Path) -> list[int | None]:
+    """Run target(rank, port, out_dir) in 2 spawned processes; their exit codes (a hung one is killed)."""
+    context = multiprocessing.get_context("spawn")
+    port = free_port()
+    processes = [context.Process(target=target, args=(rank, port, str(out_dir))) for rank in (0, 1)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=300)
+    hung = [rank for rank, process in enumerate(processes) if process.is_alive()]
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+    assert not hung, f"ranks {hung} hung in a collective"
+    return [process.exitcode for process in processes]
+
+
+def sharded_process(rank: int, port: int, out_dir: str) -> None:
+    """One of the 2 processes: shard the policy, decode this rank's workload, write what it sampled."""
+    with sharded_tiny_policy(rank, port) as tiny:
         engine, rollouts = decode(tiny, rank)
         lockstep = engine.backend._lockstep
         weight = tiny.model.model.layers[0].mlp.up_proj.weight
@@ -77,8 +105,6 @@ def sharded_process(rank: int, port: int, out_dir: str) -> None:
                       rollouts=[dict(completion_ids=r.completion_ids, logprobs=r.logprobs,
                                      env_mask=r.env_mask, num_blocks=r.num_blocks) for r in rollouts])
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(record))
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 def free_port() -> int:
@@ -89,19 +115,7 @@ def free_port() -> int:
 
 @pytest.mark.slow
 def test_fsdp2_processes_decode_different_workloads_in_lockstep_exactly(tmp_path):
-    context = multiprocessing.get_context("spawn")
-    port = free_port()
-    processes = [context.Process(target=sharded_process, args=(rank, port, str(tmp_path))) for rank in (0, 1)]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(timeout=300)
-    hung = [rank for rank, process in enumerate(processes) if process.is_alive()]
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-    assert not hung, f"ranks {hung} hung in a collective"
-    assert [process.exitcode for process in processes] == [0, 0]
+    assert run_two_processes(sharded_process, tmp_path) == [0, 0]
     records = {rank: json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)}
     assert all(r["sharded"] == "DTensor" and r["lockstep"] for r in records.values())
     assert records[1]["dummy_forwards"] > 0 and records[0]["dummy_forwards"] == 0  # rank 1 waited for rank 0
@@ -117,22 +131,12 @@ def test_fsdp2_processes_decode_different_workloads_in_lockstep_exactly(tmp_path
 def fsdp_saving_process(rank: int, port: int, out_dir: str) -> None:
     """One of 2 processes: shard the policy with FSDP2, save it through `save_full_model` as a trainer
     under configs/fsdp.yaml (SHARDED_STATE_DICT) would."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        from accelerate import Accelerator
-        from accelerate.utils import DistributedType
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
 
-        from parallel_r1.training.saving import save_full_model
+    from parallel_r1.training.saving import save_full_model
 
-        tiny = tiny_policy()
-        mesh = init_device_mesh("cpu", (2,))
-        for layer in tiny.model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(tiny.model, mesh=mesh)
+    with sharded_tiny_policy(rank, port) as tiny:
         # accelerate's own FSDP2 gather (Accelerator.get_state_dict), on the state it reads; accelerate
         # itself runs FSDP only on GPUs, and transformers' Trainer._save is save_pretrained(state_dict=...)
         gather_state = SimpleNamespace(distributed_type=DistributedType.FSDP, is_fsdp2=True)
@@ -146,8 +150,6 @@ def fsdp_saving_process(rank: int, port: int, out_dir: str) -> None:
             _save=lambda folder, state_dict: tiny.model.save_pretrained(folder, state_dict=state_dict),
             save_model=lambda folder: pytest.fail("save_model writes no weights under a sharded state dict"))
         save_full_model(trainer, Path(out_dir) / "saved")
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 @pytest.mark.slow
@@ -156,17 +158,7 @@ def test_fsdp2_sharded_policy_is_saved_as_one_full_loadable_model(tmp_path):
     (every process joins) and rank 0 writes a model that loads with the unsharded weights."""
     from parallel_r1.models import load_model
 
-    context = multiprocessing.get_context("spawn")
-    port = free_port()
-    processes = [context.Process(target=fsdp_saving_process, args=(rank, port, str(tmp_path)))
-                 for rank in (0, 1)]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(timeout=300)
-        if process.is_alive():
-            process.kill()
-    assert [process.exitcode for process in processes] == [0, 0]
+    assert run_two_processes(fsdp_saving_process, tmp_path) == [0, 0]
     saved, _ = load_model(tmp_path / "saved", "float32")
     whole = tiny_policy().model.state_dict()
     loaded = saved.state_dict()

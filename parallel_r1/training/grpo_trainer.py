@@ -20,12 +20,13 @@ from a checkpoint sees the prompts the uninterrupted run saw.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 from transformers import TrainerCallback
 from trl import GRPOTrainer
@@ -59,6 +60,15 @@ class StepTimes:
     rollout: float = 0.0
     generate_and_score: float = 0.0
     training_steps: float = 0.0
+
+    @contextlib.contextmanager
+    def adding_to(self, part: str) -> Iterator[None]:
+        """Add the seconds the block takes to `part` (generate_and_score or training_steps)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            setattr(self, part, getattr(self, part) + time.perf_counter() - started)
 
     def split(self) -> dict[str, float]:
         return {"rollout_seconds": round(self.rollout, 2),
@@ -114,18 +124,12 @@ class ParallelGRPOTrainer(GRPOTrainer):
             shuffle=stock.shuffle, seed=stock.seed)
 
     def training_step(self, *args, **kwargs):
-        started = time.perf_counter()
-        try:
+        with self.step_times.adding_to("training_steps"):
             return super().training_step(*args, **kwargs)
-        finally:
-            self.step_times.training_steps += time.perf_counter() - started
 
     def _generate_and_score_completions(self, *args, **kwargs):
-        started = time.perf_counter()
-        try:
+        with self.step_times.adding_to("generate_and_score"):
             return super()._generate_and_score_completions(*args, **kwargs)
-        finally:
-            self.step_times.generate_and_score += time.perf_counter() - started
 
     def _measured(self, rollout_func):
         def rollout(prompts, trainer):
