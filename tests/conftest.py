@@ -10,6 +10,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 MIRROR = Path(os.environ.get("PARALLEL_R1_DATA", REPO.parent / "shared" / "data"))
 
+# Under pytest-xdist (`make test`), each worker and the stage processes it starts share the cores
+# instead of each running one thread per core: oversubscribed OpenMP threads spin and slow both.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
+    _cores = len(os.sched_getaffinity(0))
+    os.environ["OMP_NUM_THREADS"] = str(max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 @pytest.fixture(scope="session")
 def mirror() -> Path:
