@@ -212,6 +212,41 @@ def continuous_vs_rounds(setup_, args) -> dict:
                 speedup=rounds_s / continuous_s, same_tokens=same_tokens(continuous, rounds))
 
 
+def print_forking(rows, args) -> None:
+    print(f"1. exact Unseen, KV forking vs re-prefill ({args.rollouts} rollouts, 4 blocks x 2 paths)")
+    print(f"{'tokens':>8}{'blocks':>8}{'re-prefill s':>14}{'forked s':>10}{'speed-up':>10}{'same tokens':>13}")
+    for r in rows:
+        print(f"{r['length']:>8}{r['blocks']:>8}{r['reprefill_s']:>14.2f}{r['forked_s']:>10.2f}"
+              f"{r['speedup']:>9.2f}x{str(r['same_tokens']):>13}")
+
+
+def print_plain(r, args) -> None:
+    print(f"\n2. parallel (4 blocks x 2 paths) vs plain rollouts, {r['length']} tokens each, KV forking")
+    print(f"parallel {r['parallel_tok_s']:.1f} tok/s, plain {r['plain_tok_s']:.1f} tok/s: "
+          f"fork loop overhead {100 * r['overhead']:+.1f}% ({r['blocks']} blocks)")
+
+
+def print_side_by_side(rows, args) -> None:
+    print(f"\n3. one block's paths ({args.path_tokens} tokens each) side by side vs one after another")
+    print(f"{'paths':>6}{'together s':>12}{'one by one s':>14}{'speed-up':>10}{'same tokens':>13}")
+    for r in rows:
+        print(f"{r['paths']:>6}{r['side_by_side_s']:>12.2f}{r['one_after_another_s']:>14.2f}{r['speedup']:>9.2f}x"
+              f"{str(r['same_tokens']):>13}")
+
+
+def print_continuous(r, args) -> None:
+    print(f"\n4. continuous vs round-barrier scheduling, {r['rollouts']} rollouts x {r['length']} tokens, "
+          f"3 paths of mixed lengths")
+    print(f"rounds {r['rounds_s']:.2f} s, continuous {r['continuous_s']:.2f} s: {r['speedup']:.2f}x, "
+          f"same tokens {r['same_tokens']}")
+
+
+SECTIONS = {"forking_vs_reprefill": (forking_vs_reprefill, print_forking),
+            "parallel_vs_plain": (parallel_vs_plain, print_plain),
+            "side_by_side": (side_by_side, print_side_by_side),
+            "continuous_vs_rounds": (continuous_vs_rounds, print_continuous)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 3000])
@@ -225,6 +260,8 @@ def main() -> None:
                              "random-init Qwen3, whose 152k-token LM head dominates every step")
     parser.add_argument("--repeats", type=int, default=2,
                         help="runs of each side, alternating; each side's fastest counts (shared machines)")
+    parser.add_argument("--only", nargs="+", choices=list(SECTIONS), default=list(SECTIONS),
+                        help="the comparisons to run (default: all four)")
     parser.add_argument("--out", default=OUT)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -234,27 +271,9 @@ def main() -> None:
     timed_rollouts(*setup_, args.prompts_list[:1], 64, kv_forking=False)
     results = dict(model=args.model or f"tiny Qwen3 {TinyModelConfig()}", device=str(setup_[0].device),
                    threads=torch.get_num_threads(), rollouts=args.rollouts, repeats=args.repeats)
-    results["forking_vs_reprefill"] = forking_vs_reprefill(setup_, args)
-    print(f"1. exact Unseen, KV forking vs re-prefill ({args.rollouts} rollouts, 4 blocks x 2 paths)")
-    print(f"{'tokens':>8}{'blocks':>8}{'re-prefill s':>14}{'forked s':>10}{'speed-up':>10}{'same tokens':>13}")
-    for r in results["forking_vs_reprefill"]:
-        print(f"{r['length']:>8}{r['blocks']:>8}{r['reprefill_s']:>14.2f}{r['forked_s']:>10.2f}"
-              f"{r['speedup']:>9.2f}x{str(r['same_tokens']):>13}")
-    r = results["parallel_vs_plain"] = parallel_vs_plain(setup_, args)
-    print(f"\n2. parallel (4 blocks x 2 paths) vs plain rollouts, {r['length']} tokens each, KV forking")
-    print(f"parallel {r['parallel_tok_s']:.1f} tok/s, plain {r['plain_tok_s']:.1f} tok/s: "
-          f"fork loop overhead {100 * r['overhead']:+.1f}% ({r['blocks']} blocks)")
-    results["side_by_side"] = side_by_side(setup_, args)
-    print(f"\n3. one block's paths ({args.path_tokens} tokens each) side by side vs one after another")
-    print(f"{'paths':>6}{'together s':>12}{'one by one s':>14}{'speed-up':>10}{'same tokens':>13}")
-    for r in results["side_by_side"]:
-        print(f"{r['paths']:>6}{r['side_by_side_s']:>12.2f}{r['one_after_another_s']:>14.2f}{r['speedup']:>9.2f}x"
-              f"{str(r['same_tokens']):>13}")
-    r = results["continuous_vs_rounds"] = continuous_vs_rounds(setup_, args)
-    print(f"\n4. continuous vs round-barrier scheduling, {r['rollouts']} rollouts x {r['length']} tokens, "
-          f"3 paths of mixed lengths")
-    print(f"rounds {r['rounds_s']:.2f} s, continuous {r['continuous_s']:.2f} s: {r['speedup']:.2f}x, "
-          f"same tokens {r['same_tokens']}")
+    for name in args.only:
+        results[name] = SECTIONS[name][0](setup_, args)
+        SECTIONS[name][1](results[name], args)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as handle:
         json.dump(results, handle, indent=2)
