@@ -93,11 +93,13 @@ def test_short_seeded_sft_raises_the_tag_probability_on_held_out_demos(prepared,
     folder, model, tokenizer = prepared
     rows = [json.loads(line) for line in (mirror / "teacher_demos_gsm8k.jsonl").read_text().split("\n") if line]
     rows = [r for r in rows if PARALLEL_OPEN in r["completion"]]
-    train, held_out = rows[:12], rows[-4:]
+    held_out = rows[-4:]
+    train = sorted(rows[:-4], key=lambda r: len(r["completion"]))[:8]  # the shortest: whole demos in 384 tokens
     before = [_first_block_logprob(model, tokenizer, r) for r in held_out]
     options = SFTOptions(variant="seen", batch_size=4, per_device_batch_size=4, lr=3e-4, weight_decay=0.0,
-                         warmup_ratio=0.0, lr_scheduler="constant", max_length=512, max_steps=3, seed=0)
+                         warmup_ratio=0.0, lr_scheduler="constant", max_length=384, max_steps=2, seed=0)
     result = train_sft(options, folder, train, tmp_path / "sft", tmp_path / "checkpoints")
     trained, _ = load_model(result.model_dir)
     after = [_first_block_logprob(trained.eval(), tokenizer, r) for r in held_out]
-    assert sum(after) / len(after) > sum(before) / len(before) + 1.0, (before, after)
+    # measured: mean log p(<Parallel>) -16.2 before, -4.4 after (2 updates, one thread)
+    assert sum(after) / len(after) > sum(before) / len(before) + 3.0, (before, after)
