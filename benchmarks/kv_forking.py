@@ -16,7 +16,8 @@ the sampler, not the cache: the random model's distributions are nearly flat ove
 so a 1e-6 difference in summation order can move the inverse CDF across a token boundary
 (tests/test_kv_forking.py proves exactness in float64).
 
-Prints one table per comparison and writes metrics/bench/kv_forking.json.
+Each side of a ratio runs --repeats times, alternating with the other; its fastest run counts.
+Prints one table per comparison (--only: some of them) and writes metrics/bench/kv_forking.json.
 
     python benchmarks/kv_forking.py                        # the default sizes (CPU: a few minutes)
     python benchmarks/kv_forking.py --lengths 512 --rollouts 2
@@ -154,8 +155,8 @@ def forking_vs_reprefill(setup_, args) -> list[dict]:
 def parallel_vs_plain(setup_, args) -> dict:
     length = args.plain_length
     (parallel_s, tokens, rollouts), (plain_s, plain_tokens, _) = fastest_of(
-        args.repeats, lambda: timed_rollouts(*setup_, args.prompts_list, length),
-        lambda: timed_rollouts(*setup_, args.prompts_list, length, parallel=False))
+        args.repeats, partial(timed_rollouts, *setup_, args.prompts_list, length),
+        partial(timed_rollouts, *setup_, args.prompts_list, length, parallel=False))
     return dict(length=length, parallel_tokens=tokens, plain_tokens=plain_tokens,
                 blocks=sum(r.num_blocks for r in rollouts), parallel_s=parallel_s, plain_s=plain_s,
                 parallel_tok_s=tokens / parallel_s, plain_tok_s=plain_tokens / plain_s,
@@ -205,19 +206,26 @@ def continuous_vs_rounds(setup_, args) -> dict:
     options = dict(mixed=True, paths=3, generations=2)
     (rounds_s, tokens, rounds), (continuous_s, _, continuous) = fastest_of(
         args.repeats,
-        lambda: timed_rollouts(*setup_, args.prompts_list, length, backend=dict(scheduling="rounds"), **options),
-        lambda: timed_rollouts(*setup_, args.prompts_list, length, backend=dict(scheduling="continuous"),
-                               **options))
+        partial(timed_rollouts, *setup_, args.prompts_list, length, backend=dict(scheduling="rounds"), **options),
+        partial(timed_rollouts, *setup_, args.prompts_list, length, backend=dict(scheduling="continuous"),
+                **options))
     return dict(length=length, rollouts=len(rounds), tokens=tokens, rounds_s=rounds_s, continuous_s=continuous_s,
                 speedup=rounds_s / continuous_s, same_tokens=same_tokens(continuous, rounds))
 
 
+def print_table(columns, rows) -> None:
+    """One line per row: (header, width, key, format) per column; a speed-up column gets an "x"."""
+    print("".join(f"{header:>{width}}" for header, width, _, _ in columns))
+    for r in rows:
+        print("".join(f"{format(r[key], spec)}{'x' if key == 'speedup' else ''}".rjust(width)
+                      for _, width, key, spec in columns))
+
+
 def print_forking(rows, args) -> None:
     print(f"1. exact Unseen, KV forking vs re-prefill ({args.rollouts} rollouts, 4 blocks x 2 paths)")
-    print(f"{'tokens':>8}{'blocks':>8}{'re-prefill s':>14}{'forked s':>10}{'speed-up':>10}{'same tokens':>13}")
-    for r in rows:
-        print(f"{r['length']:>8}{r['blocks']:>8}{r['reprefill_s']:>14.2f}{r['forked_s']:>10.2f}"
-              f"{r['speedup']:>9.2f}x{str(r['same_tokens']):>13}")
+    print_table([("tokens", 8, "length", ""), ("blocks", 8, "blocks", ""), ("re-prefill s", 14, "reprefill_s", ".2f"),
+                 ("forked s", 10, "forked_s", ".2f"), ("speed-up", 10, "speedup", ".2f"),
+                 ("same tokens", 13, "same_tokens", "")], rows)
 
 
 def print_plain(r, args) -> None:
@@ -228,10 +236,9 @@ def print_plain(r, args) -> None:
 
 def print_side_by_side(rows, args) -> None:
     print(f"\n3. one block's paths ({args.path_tokens} tokens each) side by side vs one after another")
-    print(f"{'paths':>6}{'together s':>12}{'one by one s':>14}{'speed-up':>10}{'same tokens':>13}")
-    for r in rows:
-        print(f"{r['paths']:>6}{r['side_by_side_s']:>12.2f}{r['one_after_another_s']:>14.2f}{r['speedup']:>9.2f}x"
-              f"{str(r['same_tokens']):>13}")
+    print_table([("paths", 6, "paths", ""), ("together s", 12, "side_by_side_s", ".2f"),
+                 ("one by one s", 14, "one_after_another_s", ".2f"), ("speed-up", 10, "speedup", ".2f"),
+                 ("same tokens", 13, "same_tokens", "")], rows)
 
 
 def print_continuous(r, args) -> None:

@@ -94,7 +94,7 @@ def test_short_seeded_sft_raises_the_tag_probability_on_held_out_demos(prepared,
     rows = [json.loads(line) for line in (mirror / "teacher_demos_gsm8k.jsonl").read_text().split("\n") if line]
     rows = [r for r in rows if PARALLEL_OPEN in r["completion"]]
     held_out = rows[-4:]
-    train = sorted(rows[:-4], key=lambda r: len(r["completion"]))[:8]  # the shortest: whole demos in 384 tokens
+    train = sorted(rows[:-4], key=lambda r: len(r["completion"]))[:8]  # the shortest: least cut at 384 tokens
     before = [_first_block_logprob(model, tokenizer, r) for r in held_out]
     options = SFTOptions(variant="seen", batch_size=4, per_device_batch_size=4, lr=3e-4, weight_decay=0.0,
                          warmup_ratio=0.0, lr_scheduler="constant", max_length=384, max_steps=2, seed=0)
