@@ -19,6 +19,7 @@ import pytest
 import torch
 import yaml
 from transformers import TrainerCallback
+from trl import GRPOTrainer
 
 from parallel_r1.engine import vllm_available
 from parallel_r1.errors import PipelineError
@@ -275,6 +276,54 @@ def test_unseen_scores_of_a_padded_batch_match_each_row_alone(trainers, tokenize
         assert torch.allclose(batch[row, :len(completion)], alone, atol=1e-4)
 
 
+def micro_batch(tokenizer, advantages: list[float]) -> dict:
+    """A TRL training micro-batch of one completion per advantage (same prompt, same completion)."""
+    prompt, completion = encode(tokenizer, "What is 2 + 3?", TWO_PATHS)
+    rows = len(advantages)
+    return {"prompt_ids": torch.tensor([prompt] * rows), "prompt_mask": torch.ones(rows, len(prompt), dtype=torch.long),
+            "completion_ids": torch.tensor([completion] * rows),
+            "completion_mask": torch.ones(rows, len(completion), dtype=torch.long),
+            "advantages": torch.tensor(advantages), "num_items_in_batch": torch.tensor(float(rows * len(completion))),
+            "old_per_token_logps": None}
+
+
+def gradients(trainer, loss: torch.Tensor) -> list[torch.Tensor]:
+    trainer.model.zero_grad(set_to_none=True)
+    loss.backward()
+    return [p.grad.clone() for p in trainer.model.parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize("structured", [False, True])
+def test_zero_advantage_micro_batch_skips_the_forward_with_the_same_zero_gradient(trainers, tokenizer, structured):
+    trainer = trainers[structured]
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # what Trainer.train sets before its first micro-batch
+    zero = micro_batch(tokenizer, [0.0, 0.0])
+    full = gradients(trainer, GRPOTrainer.compute_loss(trainer, trainer.model, zero))  # TRL's own loss
+    assert all(torch.count_nonzero(g) == 0 for g in full)  # no KL, no entropy bonus: exactly zero
+    skipped = trainer.skipped_micro_batches
+    fast = gradients(trainer, trainer.compute_loss(trainer.model, zero))
+    assert trainer.skipped_micro_batches == skipped + 1
+    assert len(fast) == len(full) and all(torch.count_nonzero(g) == 0 for g in fast)  # every parameter gets it
+    moving = gradients(trainer, trainer.compute_loss(trainer.model, micro_batch(tokenizer, [1.0, -1.0])))
+    assert trainer.skipped_micro_batches == skipped + 1  # a spread is computed in full
+    assert any(torch.count_nonzero(g) > 0 for g in moving)
+    trainer.model.zero_grad(set_to_none=True)
+
+
+def test_zero_advantages_are_computed_in_full_with_a_kl_term(trainers, tokenizer):
+    trainer = trainers[False]
+    trainer.model.train()
+    trainer.beta = 0.04  # the KL term pulls towards the reference even at zero advantage
+    try:
+        assert not trainer._gradient_is_zero(trainer.model, micro_batch(tokenizer, [0.0, 0.0]))
+    finally:
+        trainer.beta = 0.0
+    assert trainer._gradient_is_zero(trainer.model, micro_batch(tokenizer, [0.0, 0.0]))
+    trainer.model.eval()  # TRL's evaluation loss is a measurement, never skipped
+    assert not trainer._gradient_is_zero(trainer.model, micro_batch(tokenizer, [0.0, 0.0]))
+
+
 # ---------------------------------------------------------------------------------- end to end
 
 
@@ -454,6 +503,8 @@ def test_stage_writes_model_steps_and_summary(tmp_path, monkeypatch, init_dir):
     assert summary["steps"] == 1 and summary["rollout_backend"] == "transformers"
     assert 0 <= steps[0]["frac_reward_zero_std"] <= 1  # TRL's per-step reward spread reaches steps.json
     assert summary["steps_with_reward_spread"] == int(steps[0]["frac_reward_zero_std"] < 1)
+    # one micro-batch (2 rollouts of 1 prompt): skipped exactly when the group had no spread
+    assert summary["skipped_micro_batches"] == 1 - summary["steps_with_reward_spread"]
     assert summary["rollout_tokens_per_s"] > 0 and summary["final_reward"] == steps[0]["reward"]
     assert set(summary["step_time_split"]) == {"rollout_seconds", "scoring_seconds", "update_seconds"}
     assert summary["profile"] == "tiny" and json.dumps(summary)

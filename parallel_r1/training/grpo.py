@@ -328,6 +328,7 @@ class RLResult:
     is_main_process: bool
     processes: int = 1  # data-parallel processes (rollout stats are this process's share)
     step_times: dict[str, float] = field(default_factory=dict)  # rollout / scoring / update s (StepTimes)
+    skipped_micro_batches: int = 0  # zero-advantage micro-batches that skipped forward/backward (this run)
 
 
 def _publish(staging: Path, out_dir: Path, snapshots: Path | None) -> list[str]:
@@ -422,7 +423,8 @@ def train_rl(options: RLOptions, init_dir: str | os.PathLike, rows: Sequence[Map
         resumed_from=resumed_from,
         train_seconds=train_seconds, rollout=trainer.rollout_stats, engine=engine, prompts=len(dataset),
         dropped_prompts=dropped, snapshots=snapshots, is_main_process=state.is_main_process,
-        processes=state.num_processes, step_times=trainer.step_times.split())
+        processes=state.num_processes, step_times=trainer.step_times.split(),
+        skipped_micro_batches=trainer.skipped_micro_batches)
 
 
 def _keep_trl_off_vllm() -> None:

