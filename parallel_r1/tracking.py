@@ -251,6 +251,14 @@ def log_metrics(metrics: Mapping[str, Any], step: int | None = None, run_id: str
     _guard("log metrics", lambda: _client().log_batch(target, metrics=batch))
 
 
+def set_tags(tags: Mapping[str, Any]) -> None:
+    """Set string tags on the active stage run (a no-op without one)."""
+    run_id = _STATE.stage_run_id
+    if run_id is None or not enabled():
+        return
+    _guard("set tags", lambda: _set_tags(run_id, {key: str(value) for key, value in tags.items()}))
+
+
 def log_params(params: Mapping[str, Any], run_id: str | None = None) -> None:
     """Log (flattened) params to `run_id` or the active stage run."""
     target = run_id or _STATE.stage_run_id

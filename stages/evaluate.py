@@ -14,7 +14,9 @@ with vLLM a start costs
 minutes on a GPU node and ~70 s on a CPU, so a process per (model, benchmark) would
 multiply that by the number of benchmarks.
 
-Samples are generated CHUNK at a time (all benchmarks mixed in each engine call) and every finished
+An evaluation whose weights (by value) and sampling settings match one already run reuses its
+samples (parallel_r1/sample_memo.py: an RL run without a reward spread keeps its init's weights).
+Otherwise samples are generated CHUNK at a time (all benchmarks mixed in each engine call) and every finished
 chunk is appended to data/partial/eval/<model>.jsonl (the curve: <run>-step-<n>.jsonl), so a killed
 evaluation resumes where it stopped. The file lies outside the stage's outputs because DVC deletes
 those before it re-runs a stage; it is deleted once the outputs are written.
@@ -33,7 +35,7 @@ from typing import Callable, Sequence
 
 from tqdm import tqdm
 
-from parallel_r1 import tracking
+from parallel_r1 import sample_memo, tracking
 from parallel_r1.engine import RolloutConfig, engine_for_variant, make_engine, resolve_engine
 from parallel_r1.errors import PipelineError
 from parallel_r1.evaluation import (
@@ -146,6 +148,28 @@ def generate_resumably(jobs: Sequence[Job], partial: Path, run_stamp: str, start
     return done
 
 
+def memoised_samples(model: str, folder: Path, jobs: Sequence[Job], prompt: str, config: RolloutConfig,
+                     dtype: str, engine: str, start_engine: Callable) -> dict[SampleKey, Sample]:
+    """The jobs' samples: from the memo when these weights were evaluated with these settings before
+    (an RL run that never got a reward spread keeps its init's weights; `sample_memo`), else generated
+    (resumably) and stored in the memo."""
+    settings = {"prompt": prompt, "config": dataclasses.asdict(config), "dtype": dtype, "engine": engine}
+    key = sample_memo.memo_key(folder, settings, jobs)
+    found = sample_memo.load(key, jobs)
+    if found is not None:
+        samples, source = found
+        what = "already evaluated" if source == str(folder) else f"identical to {source}'s evaluation"
+        log.info(f"{folder}: weights and sampling settings {what}: its {len(jobs)} samples reused "
+                 f"({sample_memo.memo_path(key)})")
+        tracking.set_tags({"samples_reused_from": source})
+        return samples
+    run_stamp = stamp(folder, prompt, config, dtype, engine)
+    samples = generate_resumably(jobs, partial_path(model, folder), run_stamp, start_engine,
+                                 f"evaluate {model}")
+    sample_memo.store(key, str(folder), jobs, samples)
+    return samples
+
+
 def evaluate_folder(model: str, folder: Path, benchmarks: dict[str, int], params: dict) -> dict[str, tuple]:
     """{benchmark: (metrics, sample rows)} for the checkpoint in `folder`, resuming from its partial file."""
     settings = section(params, "evaluate")
@@ -170,9 +194,8 @@ def evaluate_folder(model: str, folder: Path, benchmarks: dict[str, int], params
                            enforce_eager=settings.get("enforce_eager"))
 
     jobs = benchmark_jobs(tokenizer, {name: (problems[name], k) for name, k in benchmarks.items()}, prompt)
-    run_stamp = stamp(folder, prompt, config, dtype, resolve_engine(engine))
-    samples = generate_resumably(jobs, partial_path(model, folder), run_stamp, start_engine,
-                                 f"evaluate {model}")
+    samples = memoised_samples(model, folder, jobs, prompt, config, dtype, resolve_engine(engine),
+                               start_engine)
     checker = settings.get("checker", "paper")
     results = {}
     for name, generated in by_benchmark(jobs, samples, benchmarks).items():

@@ -32,6 +32,7 @@ def workdir(tmp_path_factory, mirror):
 def inside(workdir, monkeypatch):
     monkeypatch.chdir(workdir)
     monkeypatch.setenv("PARALLEL_R1_TRACKING", "off")
+    shutil.rmtree(workdir / "data/memo", ignore_errors=True)  # each test starts engines; the memo has its own
     from stages.prepare_data import main as prepare_data
 
     prepare_data()
@@ -110,6 +111,17 @@ def test_corrupt_checkpoint_is_one_line(inside, capsys):
 # ---------------------------------------------------------------- resuming a killed evaluation
 
 
+def perturb(folder: Path) -> None:
+    """Move one weight of the model in `folder` a little (as an RL update would)."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name] + 1e-3
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
 def counting_engines(monkeypatch, kill_at: int | None = None) -> SimpleNamespace:
     """Engines the stage starts (`starts`) and prompts per `generate` call of all of them (`calls`);
     call number `kill_at` raises KeyboardInterrupt instead (a kill between two chunks)."""
@@ -181,6 +193,7 @@ def test_killed_scaffold_curve_resumes_without_redoing_a_finished_snapshot(insid
     shutil.rmtree(run, ignore_errors=True)
     for step in (1, 2):
         shutil.copytree(inside / "models/base", run / "steps" / f"step-{step}")
+    perturb(run / "steps/step-2")  # a step that moved the weights: not the memo's step-1 samples
     (run / "rollout.json").write_text(json.dumps({"prompt": "parallel", "variant": "seen", "parallel": True}))
     counting_engines(monkeypatch, kill_at=2)   # step-1 is done in one call, the kill hits step-2
     with pytest.raises(KeyboardInterrupt):
@@ -191,7 +204,8 @@ def test_killed_scaffold_curve_resumes_without_redoing_a_finished_snapshot(insid
     engines = counting_engines(monkeypatch)
     stage.main(["scaffold", "--curve"])
     assert (engines.starts, engines.calls) == (1, [4])   # step-2 only: no engine starts for step-1
-    assert "resuming: 4 samples already in data/partial/eval/scaffold-step-1.jsonl, 0 to go" in (
+    # step-1 finished before the kill: its samples come back from the memo (or its partial file)
+    assert "models/scaffold/steps/step-1: weights and sampling settings already evaluated: its 4 samples" in (
         capsys.readouterr().out)
     curve = json.loads((inside / "metrics/curves/scaffold.json").read_text())
     assert [point["step"] for point in curve["points"]] == [1, 2]
@@ -322,3 +336,62 @@ def test_partial_samples_of_another_engine_are_not_reused(inside):
     folder = inside / "models/base"
     assert stamp(folder, "parallel", config, "float32", "vllm") != stamp(folder, "parallel", config, "float32",
                                                                           "transformers")
+
+
+# ---------------------------------------------------------------- the sample memo
+
+
+@pytest.mark.slow  # generates with a model
+def test_identical_weights_reuse_their_samples_and_moved_weights_do_not(inside, monkeypatch, capsys):
+    """An RL run without a reward spread keeps its init's weights: its evaluation reads the init's
+    samples instead of decoding them again; one changed weight decodes afresh."""
+    import stages.evaluate as stage
+
+    engines = counting_engines(monkeypatch)
+    stage.main(["base"])
+    assert engines.starts == 1
+    run = inside / "models/grpo_dapo"
+    shutil.rmtree(run, ignore_errors=True)
+    shutil.copytree(inside / "models/base", run)
+    (run / "rollout.json").write_text(json.dumps({"prompt": "parallel", "variant": "seen", "parallel": True}))
+    capsys.readouterr()
+    try:
+        stage.main(["grpo_dapo"])
+        assert engines.starts == 1 and "grpo_dapo: weights and sampling settings identical to models/base's" in (
+            capsys.readouterr().out)
+        for benchmark in BENCHMARKS:
+            same = [(inside / "data/samples" / model / f"{benchmark}.jsonl").read_text()
+                    for model in ("base", "grpo_dapo")]
+            assert same[0] == same[1]
+            metrics = [json.loads((inside / "metrics/eval" / model / f"{benchmark}.json").read_text())
+                       for model in ("base", "grpo_dapo")]
+            assert {**metrics[0], "model": None} == {**metrics[1], "model": None}
+        (run / "rollout.json").write_text(json.dumps({"prompt": "baseline", "variant": "seen", "parallel": True}))
+        stage.main(["grpo_dapo"])  # the same weights under another prompt: other samples
+        perturb(run)
+        (run / "rollout.json").write_text(json.dumps({"prompt": "parallel", "variant": "seen", "parallel": True}))
+        stage.main(["grpo_dapo"])
+        assert engines.starts == 3 and "identical" not in capsys.readouterr().out
+    finally:
+        shutil.rmtree(run, ignore_errors=True)
+
+
+def test_model_digest_reads_values_not_files(tmp_path):
+    """The same values saved in bf16 and in float32 are one model; a changed value is another."""
+    import torch
+
+    from parallel_r1.models import load_model
+    from parallel_r1.sample_memo import model_digest
+
+    source = tmp_path / "source"
+    prepare_base_model("tiny", source, tiny=SMALL)
+    model, tokenizer = load_model(source)
+    model = model.to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "bf16")
+    model.to(torch.float32).save_pretrained(tmp_path / "fp32")
+    for folder in ("bf16", "fp32"):
+        tokenizer.save_pretrained(tmp_path / folder)
+    assert (tmp_path / "bf16/model.safetensors").stat().st_size < (tmp_path / "fp32/model.safetensors").stat().st_size
+    assert model_digest(tmp_path / "bf16") == model_digest(tmp_path / "fp32")
+    perturb(tmp_path / "fp32")
+    assert model_digest(tmp_path / "bf16") != model_digest(tmp_path / "fp32")
