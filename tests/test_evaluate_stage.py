@@ -175,6 +175,7 @@ def test_killed_evaluation_resumes_where_it_stopped(inside, monkeypatch, capsys)
     assert f"resuming: 2 samples already in data/partial/eval/base.jsonl, {total - 2} to go" in (
         capsys.readouterr().out)
     assert not partial.exists()
+    assert not list((inside / "data/memo/eval").glob("*.json"))  # resumed: other seeds, not memoised
     for benchmark, k in ks.items():   # what an uninterrupted run writes: every problem's k samples
         ids = [str(json.loads(line)["id"]) for line in (inside / "data/eval" / f"{benchmark}.jsonl").open()]
         rows = [json.loads(line) for line in (inside / "data/samples/base" / f"{benchmark}.jsonl").open()]
@@ -204,7 +205,7 @@ def test_killed_scaffold_curve_resumes_without_redoing_a_finished_snapshot(insid
     engines = counting_engines(monkeypatch)
     stage.main(["scaffold", "--curve"])
     assert (engines.starts, engines.calls) == (1, [4])   # step-2 only: no engine starts for step-1
-    # step-1 finished before the kill: its samples come back from the memo (or its partial file)
+    # step-1 finished before the kill: its samples come back from the memo
     assert "models/scaffold/steps/step-1: weights and sampling settings already evaluated: its 4 samples" in (
         capsys.readouterr().out)
     curve = json.loads((inside / "metrics/curves/scaffold.json").read_text())
@@ -343,37 +344,68 @@ def test_partial_samples_of_another_engine_are_not_reused(inside):
 
 @pytest.mark.slow  # generates with a model
 def test_identical_weights_reuse_their_samples_and_moved_weights_do_not(inside, monkeypatch, capsys):
-    """An RL run without a reward spread keeps its init's weights: its evaluation reads the init's
-    samples instead of decoding them again; one changed weight decodes afresh."""
+    """grpo_gsm8k_then_dapo starts from grpo_gsm8k, in the same rollout mode: without a reward spread it
+    keeps those weights, so its evaluation reads grpo_gsm8k's samples instead of decoding them again.
+    Another prompt, or one changed weight, decodes afresh."""
     import stages.evaluate as stage
 
+    baseline = json.dumps({"prompt": "baseline", "variant": "seen", "parallel": False})
+    first, second = (inside / "models" / name for name in ("grpo_gsm8k", "grpo_gsm8k_then_dapo"))
+    for run in (first, second):
+        shutil.rmtree(run, ignore_errors=True)
+        shutil.copytree(inside / "models/base", run)
+        (run / "rollout.json").write_text(baseline)
     engines = counting_engines(monkeypatch)
-    stage.main(["base"])
-    assert engines.starts == 1
-    run = inside / "models/grpo_dapo"
-    shutil.rmtree(run, ignore_errors=True)
-    shutil.copytree(inside / "models/base", run)
-    (run / "rollout.json").write_text(json.dumps({"prompt": "parallel", "variant": "seen", "parallel": True}))
-    capsys.readouterr()
     try:
-        stage.main(["grpo_dapo"])
-        assert engines.starts == 1 and "grpo_dapo: weights and sampling settings identical to models/base's" in (
-            capsys.readouterr().out)
+        stage.main(["grpo_gsm8k"])
+        capsys.readouterr()
+        stage.main(["grpo_gsm8k_then_dapo"])
+        assert engines.starts == 1 and ("models/grpo_gsm8k_then_dapo: weights and sampling settings identical "
+                                        "to models/grpo_gsm8k's evaluation") in capsys.readouterr().out
         for benchmark in BENCHMARKS:
-            same = [(inside / "data/samples" / model / f"{benchmark}.jsonl").read_text()
-                    for model in ("base", "grpo_dapo")]
-            assert same[0] == same[1]
-            metrics = [json.loads((inside / "metrics/eval" / model / f"{benchmark}.json").read_text())
-                       for model in ("base", "grpo_dapo")]
-            assert {**metrics[0], "model": None} == {**metrics[1], "model": None}
-        (run / "rollout.json").write_text(json.dumps({"prompt": "baseline", "variant": "seen", "parallel": True}))
-        stage.main(["grpo_dapo"])  # the same weights under another prompt: other samples
-        perturb(run)
-        (run / "rollout.json").write_text(json.dumps({"prompt": "parallel", "variant": "seen", "parallel": True}))
-        stage.main(["grpo_dapo"])
+            samples, metrics = ([(inside / folder / name / f"{benchmark}{ext}").read_text()
+                                 for name in ("grpo_gsm8k", "grpo_gsm8k_then_dapo")]
+                                for folder, ext in (("data/samples", ".jsonl"), ("metrics/eval", ".json")))
+            assert samples[0] == samples[1]
+            assert {**json.loads(metrics[0]), "model": None} == {**json.loads(metrics[1]), "model": None}
+        (second / "rollout.json").write_text(json.dumps({"prompt": "parallel", "variant": "seen", "parallel": True}))
+        stage.main(["grpo_gsm8k_then_dapo"])  # the same weights under another prompt: other samples
+        (second / "rollout.json").write_text(baseline)
+        perturb(second)
+        stage.main(["grpo_gsm8k_then_dapo"])
         assert engines.starts == 3 and "identical" not in capsys.readouterr().out
     finally:
-        shutil.rmtree(run, ignore_errors=True)
+        for run in (first, second):
+            shutil.rmtree(run, ignore_errors=True)
+
+
+def test_memo_answers_come_from_the_current_problems_and_code_changes_miss(tmp_path, monkeypatch):
+    """Only generated text is memoised: a corrected answer in data/eval reaches the scores; an edit to
+    the generation code, or weights that are not safetensors, give no memo hit."""
+    from parallel_r1 import sample_memo
+
+    monkeypatch.chdir(tmp_path)
+    model = tmp_path / "model"
+    prepare_base_model("tiny", model, tiny=SMALL)
+    jobs = [partial_job("gsm8k", "1", 0)]
+    sample = json.loads(partial_row(jobs[0], response="Final Answer: 4"))
+    from parallel_r1.evaluation import sample_from_row
+
+    key = sample_memo.memo_key(model, {"prompt": "parallel"}, jobs)
+    sample_memo.store(key, "models/a", jobs, {jobs[0].key: sample_from_row(sample)})
+    corrected = [partial_job("gsm8k", "1", 0)]
+    corrected[0].problem["ground_truth"] = "5"
+    samples, source = sample_memo.load(key, corrected)
+    assert source == "models/a" and samples[jobs[0].key].response == "Final Answer: 4"
+    assert samples[jobs[0].key].ground_truth == "5"
+    code = tmp_path / "engine.py"
+    code.write_text("x = 1\n")
+    monkeypatch.setattr(sample_memo, "GENERATION_CODE", (code,))
+    before = sample_memo.memo_key(model, {"prompt": "parallel"}, jobs)
+    code.write_text("x = 2\n")
+    assert sample_memo.memo_key(model, {"prompt": "parallel"}, jobs) != before
+    (model / "pytorch_model.bin").write_bytes(b"pickled")
+    assert sample_memo.memo_key(model, {"prompt": "parallel"}, jobs) is None
 
 
 def test_model_digest_reads_values_not_files(tmp_path):

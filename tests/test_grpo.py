@@ -304,6 +304,7 @@ def test_zero_advantage_micro_batch_skips_the_forward_with_the_same_zero_gradien
     skipped = trainer.skipped_micro_batches
     fast = gradients(trainer, trainer.compute_loss(trainer.model, zero))
     assert trainer.skipped_micro_batches == skipped + 1
+    assert trainer._metrics["train"]["clip_ratio/region_mean"][-1] == 0.0  # logged as the full pass would
     assert len(fast) == len(full) and all(torch.count_nonzero(g) == 0 for g in fast)  # every parameter gets it
     moving = gradients(trainer, trainer.compute_loss(trainer.model, micro_batch(tokenizer, [1.0, -1.0])))
     assert trainer.skipped_micro_batches == skipped + 1  # a spread is computed in full
@@ -321,7 +322,10 @@ def test_zero_advantages_are_computed_in_full_with_a_kl_term(trainers, tokenizer
         trainer.beta = 0.0
     assert trainer._gradient_is_zero(trainer.model, micro_batch(tokenizer, [0.0, 0.0]))
     trainer.model.eval()  # TRL's evaluation loss is a measurement, never skipped
-    assert not trainer._gradient_is_zero(trainer.model, micro_batch(tokenizer, [0.0, 0.0]))
+    try:
+        assert not trainer._gradient_is_zero(trainer.model, micro_batch(tokenizer, [0.0, 0.0]))
+    finally:
+        trainer.model.train()
 
 
 # ---------------------------------------------------------------------------------- end to end
@@ -504,7 +508,7 @@ def test_stage_writes_model_steps_and_summary(tmp_path, monkeypatch, init_dir):
     assert 0 <= steps[0]["frac_reward_zero_std"] <= 1  # TRL's per-step reward spread reaches steps.json
     assert summary["steps_with_reward_spread"] == int(steps[0]["frac_reward_zero_std"] < 1)
     # one micro-batch (2 rollouts of 1 prompt): skipped exactly when the group had no spread
-    assert summary["skipped_micro_batches"] == 1 - summary["steps_with_reward_spread"]
+    assert summary["skipped_micro_batches_this_run"] == 1 - summary["steps_with_reward_spread"]
     assert summary["rollout_tokens_per_s"] > 0 and summary["final_reward"] == steps[0]["reward"]
     assert set(summary["step_time_split"]) == {"rollout_seconds", "scoring_seconds", "update_seconds"}
     assert summary["profile"] == "tiny" and json.dumps(summary)

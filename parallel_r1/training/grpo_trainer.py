@@ -10,7 +10,9 @@
   - A micro-batch whose every advantage is 0 (a group with no reward spread: the rule for a 135M
     model on DAPO) skips its forward and backward: with no KL, entropy or auxiliary term its loss and
     gradient are exactly 0, so it only sets zero gradients, and the optimizer step it belongs to stays
-    what it would have been (momentum, weight decay). One process without DeepSpeed or FSDP only: a
+    what it would have been (momentum, weight decay). Its clip ratios are logged as the 0 they are; its
+    entropy (and Unseen's broken-block count) is not measured, so those average over the computed
+    micro-batches only. One process without DeepSpeed or FSDP only: a
     skipped forward would leave other processes waiting in a collective, and sharded parameters are
     not the tensors the zero gradient is set on.
   - Each rollout batch is timed and measured; the numbers go through TRL's own metric buffer, so
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
+import torch
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 from trl.trainer.utils import RepeatSampler
@@ -42,6 +45,13 @@ from parallel_r1.format import PARALLEL_OPEN, count_blocks, parallel_position, p
 from parallel_r1.rewards import RewardConfig, reward_type_at
 from parallel_r1.structure import TagIds, structured_forward
 from parallel_r1.training.saving import save_full_model
+
+# The clip ratios TRL's _compute_loss logs per loss type: all exactly 0 when every advantage is 0 (TRL
+# counts a token clipped only where its advantage has a sign), so a skipped micro-batch logs them as 0.
+_RATIO_CLIPS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
+                "clip_ratio/high_max")
+CLIP_METRICS = {**dict.fromkeys(("grpo", "bnpo", "dr_grpo", "dapo", "luspo"), _RATIO_CLIPS),
+                "cispo": ("cispo_clip_ratio",)}
 
 
 @dataclass
@@ -135,10 +145,13 @@ class ParallelGRPOTrainer(GRPOTrainer):
             return super().training_step(*args, **kwargs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if self._gradient_is_zero(model, inputs):
+        trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
+        if trainable and self._gradient_is_zero(model, inputs):
             self.skipped_micro_batches += 1
+            for key in CLIP_METRICS.get(self.loss_type, ()):  # nothing is clipped at zero advantage
+                self._metrics["train"][key].append(0.0)
             # exactly the zero gradient the full computation gives, without the forward and backward
-            return sum((parameter * 0.0).sum() for parameter in model.parameters() if parameter.requires_grad)
+            return torch.stack([(parameter * 0.0).sum() for parameter in trainable]).sum()
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     def _gradient_is_zero(self, model, inputs: Mapping[str, Any]) -> bool:
