@@ -148,13 +148,13 @@ def generate_resumably(jobs: Sequence[Job], partial: Path, run_stamp: str, start
     return done
 
 
-def memoised_samples(model: str, folder: Path, jobs: Sequence[Job], settings: dict,
+def memoised_samples(model: str, folder: Path, jobs: Sequence[Job], settings: dict, run_stamp: str,
                      start_engine: Callable) -> dict[SampleKey, Sample]:
     """The jobs' samples: from the memo when these weights were evaluated with these `settings` (prompt,
     rollout config, dtype, engine and its options) before -- an RL run that never got a reward spread
     keeps its init's weights (`sample_memo`) -- else generated (resumably) and, unless resumed from a
     partial file (whose rows were drawn under other seeds), stored in the memo."""
-    key = sample_memo.memo_key(folder, {**settings, "config": dataclasses.asdict(settings["config"])}, jobs)
+    key = sample_memo.memo_key(folder, settings, jobs)
     found = sample_memo.load(key, jobs) if key is not None else None
     if found is not None:
         samples, source = found
@@ -166,7 +166,6 @@ def memoised_samples(model: str, folder: Path, jobs: Sequence[Job], settings: di
         return samples
     partial = partial_path(model, folder)
     resumed = partial.is_file() and partial.stat().st_size > 0
-    run_stamp = stamp(folder, settings["prompt"], settings["config"], settings["dtype"], settings["engine"])
     samples = generate_resumably(jobs, partial, run_stamp, start_engine, f"evaluate {model}")
     if key is not None and not resumed:
         sample_memo.store(key, str(folder), jobs, samples)
@@ -197,10 +196,12 @@ def evaluate_folder(model: str, folder: Path, benchmarks: dict[str, int], params
                            enforce_eager=settings.get("enforce_eager"))
 
     jobs = benchmark_jobs(tokenizer, {name: (problems[name], k) for name, k in benchmarks.items()}, prompt)
-    memo_settings = {"prompt": prompt, "config": config, "dtype": dtype, "engine": resolve_engine(engine),
+    kind = resolve_engine(engine)
+    memo_settings = {"prompt": prompt, "config": dataclasses.asdict(config), "dtype": dtype, "engine": kind,
                      "gpu_memory_utilization": settings.get("gpu_memory_utilization"),
                      "enforce_eager": settings.get("enforce_eager")}
-    samples = memoised_samples(model, folder, jobs, memo_settings, start_engine)
+    samples = memoised_samples(model, folder, jobs, memo_settings, stamp(folder, prompt, config, dtype, kind),
+                               start_engine)
     checker = settings.get("checker", "paper")
     results = {}
     for name, generated in by_benchmark(jobs, samples, benchmarks).items():

@@ -383,14 +383,13 @@ def test_memo_answers_come_from_the_current_problems_and_code_changes_miss(tmp_p
     """Only generated text is memoised: a corrected answer in data/eval reaches the scores; an edit to
     the generation code, or weights that are not safetensors, give no memo hit."""
     from parallel_r1 import sample_memo
+    from parallel_r1.evaluation import sample_from_row
 
     monkeypatch.chdir(tmp_path)
     model = tmp_path / "model"
     prepare_base_model("tiny", model, tiny=SMALL)
     jobs = [partial_job("gsm8k", "1", 0)]
     sample = json.loads(partial_row(jobs[0], response="Final Answer: 4"))
-    from parallel_r1.evaluation import sample_from_row
-
     key = sample_memo.memo_key(model, {"prompt": "parallel"}, jobs)
     sample_memo.store(key, "models/a", jobs, {jobs[0].key: sample_from_row(sample)})
     corrected = [partial_job("gsm8k", "1", 0)]

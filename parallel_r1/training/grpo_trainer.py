@@ -145,8 +145,9 @@ class ParallelGRPOTrainer(GRPOTrainer):
             return super().training_step(*args, **kwargs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
-        if trainable and self._gradient_is_zero(model, inputs):
+        zero = self._gradient_is_zero(model, inputs)
+        trainable = [parameter for parameter in model.parameters() if parameter.requires_grad] if zero else []
+        if trainable:
             self.skipped_micro_batches += 1
             for key in CLIP_METRICS.get(self.loss_type, ()):  # nothing is clipped at zero advantage
                 self._metrics["train"][key].append(0.0)
