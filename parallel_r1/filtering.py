@@ -2,7 +2,9 @@
 
 Algorithm 1 alone gives Table 1's valid rate. The official Parallel-GSM8K additionally
 keeps only outputs whose `Final Answer:` is numeric and that fit the SFT length cap;
-both extras are params and counted separately, so Table 1 stays Algorithm 1 only.
+both extras are params and counted separately, so Table 1 stays Algorithm 1 only. Kept
+completions are written in the rollout engine's tag layout (`format.rollout_layout`) unless
+`rollout_layout` is off, so SFT trains on the token sequence the RL rollouts fork into.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from parallel_r1.config import check_fields
-from parallel_r1.format import FormatStats, check_format
+from parallel_r1.format import FormatStats, check_format, rollout_layout
 from parallel_r1.rewards import extract_final_answer, gsm8k_number, strip_tags
 
 
@@ -21,6 +23,7 @@ class FilterConfig:
     sft_dataset: str = "gsm8k"
     require_numeric_answer: bool = True
     max_tokens: int | None = field(default=4096, metadata={"min": 1})
+    rollout_layout: bool = True
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -57,7 +60,8 @@ def has_numeric_answer(completion: str) -> bool:
 
 
 def filter_outputs(rows: list[dict], config: FilterConfig) -> FilterResult:
-    """Algorithm 1 on every row; the valid rows that also pass the extras are kept."""
+    """Algorithm 1 on every row; the valid rows that also pass the extras are kept (the cap reads the
+    teacher's `completion_tokens`, counted before the layout drops the newlines between tags)."""
     result = FilterResult(kept=[], stats=FormatStats())
     for row in rows:
         verdict = check_format(row["completion"])
@@ -68,6 +72,8 @@ def filter_outputs(rows: list[dict], config: FilterConfig) -> FilterResult:
             result.dropped_no_numeric_answer += 1
         elif config.max_tokens is not None and row["completion_tokens"] > config.max_tokens:
             result.dropped_token_cap += 1
+        elif config.rollout_layout:
+            result.kept.append({**row, "completion": rollout_layout(row["completion"])})
         else:
             result.kept.append(row)
     return result

@@ -24,6 +24,12 @@ TAGS = (PARALLEL_OPEN, PARALLEL_CLOSE, PATH_OPEN, PATH_CLOSE, SUMMARY_OPEN, SUMM
 TAG_PATTERN = re.compile(r"</?(?:Parallel|Path|Summary)>")
 _CLOSES = {PARALLEL_CLOSE: PARALLEL_OPEN, PATH_CLOSE: PATH_OPEN, SUMMARY_CLOSE: SUMMARY_OPEN}
 
+# What the rollout engine (engine/loop.py, as the official loop) writes between a block's tags: nothing
+# between `<Parallel>`, the paths and `</Parallel>`, and this between `</Parallel>` and `<Summary>`.
+SUMMARY_SEPARATOR = "\n"
+_GAP_BEFORE_PATH = re.compile(r"(<Parallel>|</Path>)\s+(?=<Path>|</Parallel>)")
+_GAP_BEFORE_SUMMARY = re.compile(r"</Parallel>\s*<Summary>")
+
 # Rejection reasons, counted by the filter stage.
 UNEXPECTED_CLOSE = "unexpected_closing_tag"
 WRONG_NESTING = "wrong_nesting"
@@ -148,6 +154,20 @@ def parse_blocks(text: str) -> list[ParallelBlock]:
             last = blocks[-1]
             blocks[-1] = ParallelBlock(last.parallel, last.paths, Span(summary_start, end))
     return blocks
+
+
+def rollout_layout(text: str) -> str:
+    """`text` with each block's tags laid out as the rollout engine inserts them.
+
+    The engine forks at `<Parallel>` and writes `<Path>` itself, right after `<Parallel>` and after
+    the previous `</Path>`, then `</Parallel>`, SUMMARY_SEPARATOR and `<Summary>` (the official
+    loop's layout). Teacher demos put newlines between these tags instead; a model trained on them
+    expects a newline where the engine has already written `<Path>` and answers it with a second
+    `<Path>` (wrong nesting). Only the whitespace between those tags changes: the reasoning, the
+    paths' and the summary's text, and the Algorithm 1 verdict stay as they were.
+    """
+    text = _GAP_BEFORE_PATH.sub(r"\1", text)
+    return _GAP_BEFORE_SUMMARY.sub(PARALLEL_CLOSE + SUMMARY_SEPARATOR + SUMMARY_OPEN, text)
 
 
 def is_parallel(text: str) -> bool:

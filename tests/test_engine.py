@@ -21,7 +21,7 @@ import torch
 from parallel_r1.engine import RolloutConfig, RolloutEngine, make_engine, transformers_engine
 from parallel_r1.engine.base import SegmentRequest
 from parallel_r1.errors import PipelineError
-from parallel_r1.format import check_format, parse_blocks
+from parallel_r1.format import check_format, parse_blocks, rollout_layout
 from parallel_r1.models import TinyModelConfig, build_tiny_model, load_tokenizer, qwen3_tokenizer_dir
 from parallel_r1.prompts import chat_messages, render_prompt
 from parallel_r1.structure import TagIds, attention_inputs, build_structure
@@ -134,6 +134,12 @@ def test_forced_parallel_rollout_is_well_formed(tiny, scripted):
         assert rollout.finish_reason == "stop" and not rollout.truncated
         assert rollout.completion_ids[-1] == tiny.eos  # sampled EOS, kept in the ids, hidden from the text
         assert "<|im_end|>" not in rollout.text
+
+
+def test_rollouts_are_in_the_layout_sft_trains_on(scripted):
+    # filter.rollout_layout writes the SFT demos in this layout: SFT and rollouts see the same tokens
+    for rollout in scripted[False] + scripted[True]:
+        assert rollout_layout(rollout.text) == rollout.text
 
 
 def test_num_paths_sets_the_paths_per_block(tiny):

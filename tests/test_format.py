@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from parallel_r1 import format as fmt
+from parallel_r1.filtering import FilterConfig, filter_outputs
 from parallel_r1.format import check_format, count_blocks, parallel_position, parallel_ratio, parse_blocks
 
 BLOCK = "<Parallel><Path>a</Path><Path>b</Path></Parallel><Summary>s</Summary>"
@@ -68,6 +70,34 @@ def test_real_teacher_outputs(mirror):
     assert valid >= 290
     assert {r.reason for r in results if not r.ok} <= {fmt.NO_PARALLEL_BLOCK}
     assert all(count_blocks(r["completion"]) >= 1 for r, res in zip(rows, results) if res.ok)
+
+
+def test_rollout_layout_drops_only_the_whitespace_between_a_blocks_tags(mirror):
+    rows = [json.loads(line) for line in open(mirror / "teacher_demos_gsm8k.jsonl")]
+    demos = [r["completion"] for r in rows if check_format(r["completion"]).ok]
+    assert any("<Parallel>\n<Path>" in d for d in demos)  # the released layout: a newline between tags
+    for demo in demos:
+        laid_out = fmt.rollout_layout(demo)
+        assert fmt.rollout_layout(laid_out) == laid_out
+        assert check_format(laid_out).ok and count_blocks(laid_out) == count_blocks(demo)
+        assert not re.search(r"(<Parallel>|</Path>)\s+(<Path>|</Parallel>)", laid_out)
+        assert laid_out.count("</Parallel>\n<Summary>") == len(re.findall(r"</Parallel>\s*<Summary>", demo))
+        # the text outside the tags is the demo's: the paths and summaries, and the main text around them
+        assert fmt.TAG_PATTERN.sub(" ", laid_out).split() == fmt.TAG_PATTERN.sub(" ", demo).split()
+        assert [laid_out[p.start:p.end] for b in parse_blocks(laid_out) for p in b.paths] == \
+            [demo[p.start:p.end] for b in parse_blocks(demo) for p in b.paths]
+    assert fmt.rollout_layout("a\n<Parallel>\n <Path>x</Path>\n\n<Path>y</Path>\n</Parallel><Summary>s"
+                              "</Summary>\n\nb") == \
+        "a\n<Parallel><Path>x</Path><Path>y</Path></Parallel>\n<Summary>s</Summary>\n\nb"
+
+
+def test_filter_writes_kept_demos_in_the_rollout_layout_unless_told_not_to():
+    demo = "Think.\n\n<Parallel>\n<Path>a</Path>\n<Path>b</Path>\n</Parallel>\n<Summary>s</Summary>\n\nFinal Answer: 3"
+    rows = [{"id": "1", "completion": demo, "completion_tokens": 40}]
+    laid_out = filter_outputs(rows, FilterConfig()).kept
+    assert laid_out == [{**rows[0], "completion": fmt.rollout_layout(demo)}] and laid_out[0]["completion"] != demo
+    assert filter_outputs(rows, FilterConfig(rollout_layout=False)).kept == rows
+    assert rows[0]["completion"] == demo  # the teacher's rows are not modified in place
 
 
 def test_parse_blocks_spans():

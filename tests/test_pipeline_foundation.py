@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import copy_repo, set_param
+from parallel_r1.format import rollout_layout
 
 pytestmark = pytest.mark.slow
 
@@ -44,6 +45,9 @@ def test_sft_set_and_validation_reports(pipeline):
     rows = [json.loads(line) for line in (pipeline / "data/sft/parallel_gsm8k.jsonl").read_text().split("\n") if line]
     gsm8k = json.loads((pipeline / "metrics/filter/gsm8k.json").read_text())
     assert len(rows) == gsm8k["kept"] > 0
+    teacher = {r["id"]: r for r in map(json.loads, (pipeline / "data/teacher/gsm8k.jsonl").read_text().splitlines())}
+    assert all(r["completion"] == rollout_layout(teacher[r["id"]]["completion"]) for r in rows)
+    assert sum(r["completion"] != teacher[r["id"]]["completion"] for r in rows) > 0
     summary = (pipeline / "reports/validation/summary.md").read_text()
     for name in ("teacher_gsm8k", "teacher_dapo", "sft_parallel_gsm8k", "rl_gsm8k", "eval_aime24"):
         assert name in summary

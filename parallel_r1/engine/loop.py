@@ -50,9 +50,9 @@ from parallel_r1.engine.base import (
     StreamingBackend,
 )
 from parallel_r1.errors import PipelineError
+from parallel_r1.format import SUMMARY_SEPARATOR  # official: `</Parallel>` "\n" `<Summary>`
 from parallel_r1.structure import TagIds
 
-SUMMARY_SEPARATOR = "\n"  # official: `</Parallel>` "\n" `<Summary>`
 MAIN, PATHS, SUMMARY, DONE = "main", "paths", "summary", "done"
 
 
