@@ -12,6 +12,7 @@ import pytest
 
 from conftest import copy_repo, set_param
 from parallel_r1.format import rollout_layout
+from parallel_r1.io import read_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -45,8 +46,7 @@ def test_sft_set_and_validation_reports(pipeline):
     rows = [json.loads(line) for line in (pipeline / "data/sft/parallel_gsm8k.jsonl").read_text().split("\n") if line]
     gsm8k = json.loads((pipeline / "metrics/filter/gsm8k.json").read_text())
     assert len(rows) == gsm8k["kept"] > 0
-    lines = (pipeline / "data/teacher/gsm8k.jsonl").read_text().split("\n")  # not splitlines: U+2028 in the text
-    teacher = {r["id"]: r for r in map(json.loads, filter(None, lines))}
+    teacher = {r["id"]: r for r in read_jsonl(pipeline / "data/teacher/gsm8k.jsonl")}
     assert all(r["completion"] == rollout_layout(teacher[r["id"]]["completion"]) for r in rows)
     assert sum(r["completion"] != teacher[r["id"]]["completion"] for r in rows) > 0
     summary = (pipeline / "reports/validation/summary.md").read_text()
