@@ -15,7 +15,8 @@ export PREFECT_HOME := $(CURDIR)/.prefect
 export MLFLOW_TRACKING_URI ?= sqlite:///$(CURDIR)/mlflow.db
 PYTEST_ARGS ?=
 # Test files are spread over this many pytest-xdist workers (0: one process); a file stays on one worker,
-# so its module fixtures are built once. tests/conftest.py gives each worker its share of the cores.
+# so its module fixtures are built once. tests/conftest.py gives each worker its share of the cores and
+# orders the files longest first; --no-loadscope-reorder makes xdist hand them out in that order.
 PYTEST_WORKERS ?= 2
 
 .PHONY: setup run test test-fast lint bench ui clean help
@@ -44,7 +45,7 @@ run: setup
 	$(BIN)/python -m flows.make_run
 
 test: setup
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=20 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20 $(PYTEST_ARGS)
 
 # Settings in pyproject.toml ([tool.ruff], [tool.mypy]); CI (.ci/run) runs this before the tests.
 lint: setup
@@ -52,7 +53,7 @@ lint: setup
 	$(BIN)/mypy
 
 test-fast: setup
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow" $(PYTEST_ARGS)
 
 bench: setup
 	$(BIN)/python benchmarks/structured_attention.py
