@@ -18,6 +18,7 @@ PYTEST_ARGS ?=
 # so its module fixtures are built once. tests/conftest.py gives each worker its share of the cores and
 # orders the files longest first; --no-loadscope-reorder makes xdist hand them out in that order.
 PYTEST_WORKERS ?= 2
+XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 .PHONY: setup run test test-fast lint bench ui clean help
 
@@ -45,7 +46,7 @@ run: setup
 	$(BIN)/python -m flows.make_run
 
 test: setup
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) --durations=20 $(PYTEST_ARGS)
 
 # Settings in pyproject.toml ([tool.ruff], [tool.mypy]); CI (.ci/run) runs this before the tests.
 lint: setup
@@ -53,7 +54,7 @@ lint: setup
 	$(BIN)/mypy
 
 test-fast: setup
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 bench: setup
 	$(BIN)/python benchmarks/structured_attention.py

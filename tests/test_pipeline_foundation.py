@@ -43,7 +43,7 @@ def test_table1_is_rebuilt_from_the_filter_metrics(pipeline):
 
 
 def test_sft_set_and_validation_reports(pipeline):
-    rows = [json.loads(line) for line in (pipeline / "data/sft/parallel_gsm8k.jsonl").read_text().split("\n") if line]
+    rows = read_jsonl(pipeline / "data/sft/parallel_gsm8k.jsonl")
     gsm8k = json.loads((pipeline / "metrics/filter/gsm8k.json").read_text())
     assert len(rows) == gsm8k["kept"] > 0
     teacher = {r["id"]: r for r in read_jsonl(pipeline / "data/teacher/gsm8k.jsonl")}
