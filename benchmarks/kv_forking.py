@@ -8,7 +8,10 @@ and seeds on both sides of each ratio:
      KV forking: what the fork loop costs over plain decoding;
   3. one block's paths decoded side by side vs one after another (2 and 4 paths), from one
      forked context;
-  4. continuous vs round-barrier scheduling on rollouts with mixed path lengths.
+  4. continuous vs round-barrier scheduling on rollouts with mixed path lengths;
+  5. prompts sharing their common prefix's encoding vs each row encoding its whole prompt, for
+     --share-prompts different prompts x 1 rollout (an evaluation) and 2 prompts x 4 (GRPO groups),
+     --share-length tokens each.
 A random model does not write tags, so a logits processor scripts where they go (`Script`) and
 bans the end-of-turn ids, so every rollout runs to its length; every other token is sampled.
 "same tokens" compares the two sides token for token (same seeds). In float32 a rare False is
@@ -107,11 +110,12 @@ def setup(model_dir: str | None = None):
 
 
 def timed_rollouts(model, tokenizer, tags, prompts, length: int, kv_forking=True, parallel=True, mixed=False,
-                   backend=None, paths=2, generations=1):
+                   backend=None, paths=2, generations=1, share_prompts=True):
     """Rollouts of `length` tokens (4 blocks when parallel); seconds, tokens, the rollouts."""
     config = RolloutConfig(parallel=parallel, num_paths=paths, max_blocks=4, max_tokens=length, temperature=1.0,
                            structured=True, seed=1)
     engine = transformers_engine(model, tokenizer, config, kv_forking=kv_forking, **(backend or {}))
+    engine.backend.share_prompts = share_prompts
     segment = max(8, length // 16)
     engine.backend.logits_processor = Script(tokenizer, tags, engine.eos_ids, main=segment, path=segment,
                                              summary=max(4, segment // 2), mixed=mixed)
@@ -213,6 +217,23 @@ def continuous_vs_rounds(setup_, args) -> dict:
                 speedup=rounds_s / continuous_s, same_tokens=same_tokens(continuous, rounds))
 
 
+def shared_vs_own_prompts(setup_, args) -> list[dict]:
+    model, tokenizer, _ = setup_
+    questions = [f"{q} (problem {n})" for n in range(4) for q in QUESTIONS][:args.share_prompts]
+    many = [tokenizer(render_prompt(tokenizer, q), add_special_tokens=False)["input_ids"] for q in questions]
+    rows = []
+    for label, prompts, generations in ((f"{len(many)} x 1", many, 1), ("2 x 4", many[:2], 4)):
+        (own_s, tokens, own), (shared_s, _, shared) = fastest_of(
+            args.repeats,
+            partial(timed_rollouts, *setup_, prompts, args.share_length, generations=generations,
+                    share_prompts=False),
+            partial(timed_rollouts, *setup_, prompts, args.share_length, generations=generations))
+        rows.append(dict(rollouts=label, prompt_tokens=sum(map(len, prompts)) * generations, tokens=tokens,
+                         own_s=own_s, shared_s=shared_s, speedup=own_s / shared_s,
+                         same_tokens=same_tokens(shared, own)))
+    return rows
+
+
 def print_table(columns, rows) -> None:
     """One line per row: (header, width, key, format) per column; a speed-up column gets an "x"."""
     print("".join(f"{header:>{width}}" for header, width, _, _ in columns))
@@ -248,10 +269,18 @@ def print_continuous(r, args) -> None:
           f"same tokens {r['same_tokens']}")
 
 
+def print_shared(rows, args) -> None:
+    print(f"\n5. prompts sharing their common prefix vs each encoding its own, {args.share_length} tokens each")
+    print_table([("rollouts", 10, "rollouts", ""), ("prompt tokens", 15, "prompt_tokens", ""),
+                 ("own s", 9, "own_s", ".2f"), ("shared s", 10, "shared_s", ".2f"), ("speed-up", 10, "speedup", ".2f"),
+                 ("same tokens", 13, "same_tokens", "")], rows)
+
+
 SECTIONS = {"forking_vs_reprefill": (forking_vs_reprefill, print_forking),
             "parallel_vs_plain": (parallel_vs_plain, print_plain),
             "side_by_side": (side_by_side, print_side_by_side),
-            "continuous_vs_rounds": (continuous_vs_rounds, print_continuous)}
+            "continuous_vs_rounds": (continuous_vs_rounds, print_continuous),
+            "shared_prompts": (shared_vs_own_prompts, print_shared)}
 
 
 def main() -> None:
@@ -261,6 +290,8 @@ def main() -> None:
     parser.add_argument("--plain-length", type=int, default=1024)
     parser.add_argument("--mixed-length", type=int, default=1024)
     parser.add_argument("--path-tokens", type=int, default=128)
+    parser.add_argument("--share-prompts", type=int, default=16, help="different prompts for 5 (at most 16)")
+    parser.add_argument("--share-length", type=int, default=64)
     parser.add_argument("--model", default=None,
                         help="a model folder with the tags (e.g. models/base of the small profile: SmolLM2-135M, "
                              "30 layers, where re-encoding costs what it does in a real model); default: the tiny "
@@ -268,7 +299,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2,
                         help="runs of each side, alternating; each side's fastest counts (shared machines)")
     parser.add_argument("--only", nargs="+", choices=list(SECTIONS), default=list(SECTIONS),
-                        help="the comparisons to run (default: all four)")
+                        help="the comparisons to run (default: all five)")
     parser.add_argument("--out", default=OUT)
     args = parser.parse_args()
     torch.manual_seed(0)

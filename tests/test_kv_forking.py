@@ -19,6 +19,7 @@ import torch
 
 from parallel_r1.engine import RolloutConfig, transformers_engine
 from parallel_r1.engine.base import KVSpan, SegmentRequest
+from parallel_r1.engine.hf_forking import MIN_SHARED_PREFIX
 from tests.test_engine import ScriptedBlocks
 from tests.test_engine import tiny as tiny_float32  # noqa: F401  (the session fixture)
 
@@ -63,6 +64,16 @@ def assert_same_rollouts(forked, reference) -> None:
                                    atol=1e-4, rtol=0)
 
 
+def prompt_encoding(prompts, generations: int) -> int:
+    """Prompt tokens the engine encodes for `generations` rollouts of each prompt: the prompts' common
+    prefix once, each prompt's own rest once for its group, and each rollout its last token."""
+    shared = 0
+    while all(len(p) > shared + 1 and p[shared] == prompts[0][shared] for p in prompts):
+        shared += 1
+    assert shared >= MIN_SHARED_PREFIX  # the Parallel Thinking template
+    return shared + sum(len(p) - 1 - shared for p in prompts) + len(prompts) * generations
+
+
 def closed_by_engine(tiny, rollouts_) -> int:
     """Paths the engine had to close (EOS inside the path, or its budget)."""
     close = tiny.tags.path_close
@@ -91,14 +102,15 @@ def test_unseen_forking_encodes_only_prompts_and_tags(tiny):
     blocks = sum(r.num_blocks for r in forked)
     assert blocks == 8
     per_block = 1 + 2 * 2 + 3 + 1
-    assert engine.backend.stats.encoded == 2 * sum(len(p) for p in tiny.prompts) + blocks * per_block
+    assert engine.backend.stats.encoded == prompt_encoding(tiny.prompts, 2) + blocks * per_block
     assert not engine.backend._kept  # the engine released every kept cache
+    assert engine.backend._prefix is None  # and the call's shared prompt prefix
 
 
 def test_seen_summary_reencodes_later_paths_only(tiny):
     """Causally a later path sees the paths before it, so its forked KV (which did not) is re-encoded."""
     engine, forked = rollouts(tiny, ScriptedBlocks(tiny), True, structured=False, max_blocks=2)
-    prompt_tokens = 2 * sum(len(p) for p in tiny.prompts)
+    prompt_tokens = prompt_encoding(tiny.prompts, 2)
     later_path = 1 + 3 + 1  # <Path>, 3 tokens, </Path>: the second path of every block
     per_block = 1 + 2 + 1 + later_path + 3 + 1  # as Unseen, but the second path's </Path> comes with it
     assert engine.backend.stats.encoded == prompt_tokens + sum(r.num_blocks for r in forked) * per_block
@@ -133,6 +145,22 @@ def test_streamed_request_tokens_do_not_depend_on_batch_neighbours(tiny):
     together, alone = run(requests), run(requests[1:])
     assert together[1].token_ids == alone[0].token_ids == backend.continue_batch(requests[1:])[0].token_ids
     assert together[1].logprobs == pytest.approx(alone[0].logprobs, abs=1e-4)
+
+
+def test_a_shared_prompt_prefix_never_outlives_its_call(tiny):
+    """A live policy changes in place between GRPO steps: the next call must not reuse the prompt
+    columns the old weights computed."""
+    import copy
+
+    model = copy.deepcopy(tiny.model)
+    config = RolloutConfig(parallel=True, max_tokens=24, temperature=1.0, seed=3)
+    engine = transformers_engine(model, tiny.tokenizer, config)
+    engine.generate(tiny.prompts, 2, call=0)
+    with torch.no_grad():
+        for weight in model.parameters():
+            weight.mul_(1.5)
+    fresh = transformers_engine(model, tiny.tokenizer, config, kv_forking=False)
+    assert_same_rollouts(engine.generate(tiny.prompts, 2, call=1), fresh.generate(tiny.prompts, 2, call=1))
 
 
 def test_wrong_kv_hint_costs_speed_not_exactness(tiny):

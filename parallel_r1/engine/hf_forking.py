@@ -52,6 +52,7 @@ from parallel_r1.errors import PipelineError
 from parallel_r1.structure import Structure, attention_inputs, build_structure
 
 Scheduling = Literal["continuous", "rounds"]
+MIN_SHARED_PREFIX = 16  # leading tokens rows must share before one encoding serves them all
 
 
 @dataclass
@@ -112,6 +113,8 @@ class ForkingTransformersBackend(TransformersBackend):
         self._pool = DecodePool(self.model, pad_token_id, forward=self._forward)
         self._tickets = itertools.count()
         self._next_id = 0  # column identities
+        self._prefix: KeptRow | None = None  # the shared prompt prefix of this `generate` call
+        self.share_prompts = True  # prompts encode their common prefix once (benchmarks turn it off)
         self.stats = ForkingStats()
 
     # ------------------------------------------------------------------ streaming calls
@@ -141,7 +144,9 @@ class ForkingTransformersBackend(TransformersBackend):
         return finished
 
     def drain(self) -> None:
-        """End of a `generate` call: under FSDP, pair the forwards other processes still run."""
+        """End of a `generate` call: forget its shared prompt prefix (a live policy's weights change
+        before the next call) and, under FSDP, pair the forwards other processes still run."""
+        self._prefix = None
         if self._lockstep is not None:
             with self._generating():
                 self._lockstep.drain()
@@ -149,9 +154,11 @@ class ForkingTransformersBackend(TransformersBackend):
     def sync_weights(self, model) -> None:
         super().sync_weights(model)
         self._kept.clear()  # computed with the old weights
+        self._prefix = None
 
     def close(self) -> None:
         self._kept.clear()
+        self._prefix = None
         self._queue.clear()
         self._pool.keep([])  # drop every row and its KV
         super().close()
@@ -193,6 +200,7 @@ class ForkingTransformersBackend(TransformersBackend):
             if reused is not None and len(reused) == len(request.token_ids):  # keep one token to encode
                 reused = reused.slice(0, len(reused) - 1)
             items.append((ticket, request, _Encode(list(request.token_ids), reused, *structure)))
+        self._share_prompt_prefix([item for _, _, item in items])
         logits = []
         for group in self._groups(items, key=lambda entry: entry[2]):
             batch, last_logits = self._encode([item for _, _, item in group])
@@ -301,6 +309,38 @@ class ForkingTransformersBackend(TransformersBackend):
                        [torch.cat(layer, dim=1) for layer in zip(*(p.values for p in cut), strict=True)],
                        torch.cat([p.hidden_start for p in cut]), torch.cat([p.hidden_end for p in cut]))
 
+    def _share_prompt_prefix(self, items: list[_Encode]) -> None:
+        """Rows that reuse nothing and open with the same tokens take those columns from one encoding:
+        the prompt template once per `generate` call, and a GRPO group's repeated prompt once per group.
+
+        Exact as every reuse here: a column is shared only where the tokens, positions and hidden
+        windows up to it agree, so it is what each row's own prefill computes. The template prefix
+        serves the rest of the call (prompts admitted later, as rows free up) and is dropped at its
+        end (`drain`): a live policy's weights change between calls.
+        """
+        fresh = [item for item in items if item.reused is None] if self.share_prompts else []
+        if len(fresh) > 1:
+            length = min(_shared_length(fresh[0], other) for other in fresh[1:])
+            have = _shared_length(fresh[0], self._prefix) if self._prefix is not None else 0
+            if length >= MIN_SHARED_PREFIX and length > have:
+                base = self._prefix.slice(0, have) if self._prefix is not None and have else None
+                self._prefix = self._encode([_head(fresh[0], length, base)])[0].row(0)
+        if self._prefix is not None:
+            for item in fresh:
+                shared = _shared_length(item, self._prefix)
+                if shared >= MIN_SHARED_PREFIX:
+                    item.reused = self._prefix.slice(0, shared)
+        copies: dict[tuple[int, ...], list[_Encode]] = {}
+        for item in fresh:
+            copies.setdefault(tuple(item.token_ids), []).append(item)
+        heads = {id(head): (head, group) for group in copies.values() if len(group) > 1
+                 for head in [_head(group[0], len(group[0].token_ids) - 1, group[0].reused)] if head.new > 0}
+        for batch_of_heads in self._groups([head for head, _ in heads.values()]):
+            batch, _ = self._encode(batch_of_heads)
+            for index, head in enumerate(batch_of_heads):
+                for item in heads[id(head)][1]:
+                    item.reused = batch.row(index)
+
     # ------------------------------------------------------------------ encoding
 
     def _groups(self, entries: list, key=lambda entry: entry) -> list[list]:
@@ -385,6 +425,29 @@ class ForkingTransformersBackend(TransformersBackend):
     def _fresh_ids(self, count: int) -> torch.Tensor:
         start, self._next_id = self._next_id, self._next_id + count
         return torch.arange(start, start + count, device=self.model.device)
+
+
+def _head(item: _Encode, length: int, reused: KeptRow | None = None) -> _Encode:
+    """`item`'s first `length` tokens as a row of their own, on top of `reused` columns."""
+    if reused is not None and len(reused) > length:
+        reused = reused.slice(0, length)
+    return _Encode(item.token_ids[:length], reused, item.positions[:length], item.hidden_start[:length],
+                   item.hidden_end[:length])
+
+
+def _shared_length(item: _Encode, other: _Encode | KeptRow) -> int:
+    """Leading columns `item` can take from `other` (same tokens, positions and hidden windows), leaving
+    `item` at least one token to encode: its last token's logits start its decoding."""
+    others = other.token_ids if isinstance(other, _Encode) else other.tokens
+    count = min(len(item.token_ids) - 1, len(others))
+    if count <= 0:
+        return 0
+    device = item.positions.device
+    ok = ((torch.tensor(item.token_ids[:count], device=device) == torch.tensor(others[:count], device=device))
+          & (item.positions[:count] == other.positions[:count])
+          & _same_windows(item.hidden_start[:count], item.hidden_end[:count], other.hidden_start[:count],
+                          other.hidden_end[:count]))
+    return _leading(ok)
 
 
 def _leading(ok: torch.Tensor) -> int:
