@@ -93,16 +93,22 @@ def project(tmp_path, init_dir) -> Path:  # noqa: F811  (the imported fixture)
     return tmp_path
 
 
-@pytest.mark.parametrize("run", ["rl_gsm8k_seen", "parallel_r1_unseen_parallel_only"])
-def test_grpo_on_two_processes(project, run):
-    launch(project, "stages.rl", run)
+def assert_two_process_run(project: Path, run: str, steps: int) -> None:
+    """Both ranks ran every step of `run`, and rank 0 wrote a loadable model and its metrics."""
     summary = read_json(project / f"metrics/rl/{run}/summary.json")
-    assert summary["processes"] == 2 and summary["steps"] == 2 and summary["rollouts_per_step"] == 4
-    steps = read_json(project / f"metrics/rl/{run}/steps.json")
-    assert [s["step"] for s in steps] == [1, 2] and all(s["reward_std"] is not None for s in steps)
+    assert summary["processes"] == 2 and summary["steps"] == steps and summary["rollouts_per_step"] == 4
+    history = read_json(project / f"metrics/rl/{run}/steps.json")
+    assert [s["step"] for s in history] == list(range(1, steps + 1))
+    assert all(s["reward_std"] is not None for s in history)  # group statistics over both ranks' rollouts
     assert summary["rollout_tokens"] > 0  # rank 0's share; rank 1 rolled out the rest of each group
     load_model(project / "models" / run)
     assert not (project / f"checkpoints/rl/{run}").exists()
+
+
+def test_seen_grpo_on_two_processes(project):
+    """Seen here; Unseen on two processes is the killed-and-resumed run below."""
+    launch(project, "stages.rl", "rl_gsm8k_seen")
+    assert_two_process_run(project, "rl_gsm8k_seen", steps=2)
     runs = mlflow_runs(project)
     assert len(runs) == 1 and runs[0].data.tags["stage"] == "rl"  # rank 1 opened none
 
@@ -123,11 +129,12 @@ def test_killed_two_process_grpo_resumes_from_its_last_checkpoint(project):
     assert not (project / "models" / run).exists()
 
     launch(project, "stages.rl", run)
+    assert_two_process_run(project, run, steps=6)
     summary = read_json(project / f"metrics/rl/{run}/summary.json")
     assert (summary["resumed_from"] or "").startswith(f"checkpoints/rl/{run}/checkpoint-")
-    assert summary["steps"] == 6 and 0 < summary["steps_this_run"] < 6 and summary["processes"] == 2
-    assert [s["step"] for s in read_json(project / f"metrics/rl/{run}/steps.json")] == list(range(1, 7))
-    load_model(project / "models" / run)
+    assert 0 < summary["steps_this_run"] < 6
+    runs = mlflow_runs(project)
+    assert len(runs) == 2 and {r.data.tags["stage"] for r in runs} == {"rl"}  # one per launch: rank 0's
 
 
 @pytest.mark.parametrize("variant", ["seen", "unseen"])
