@@ -333,12 +333,16 @@ class ForkingTransformersBackend(TransformersBackend):
         copies: dict[tuple[int, ...], list[_Encode]] = {}
         for item in fresh:
             copies.setdefault(tuple(item.token_ids), []).append(item)
-        heads = {id(head): (head, group) for group in copies.values() if len(group) > 1
-                 for head in [_head(group[0], len(group[0].token_ids) - 1, group[0].reused)] if head.new > 0}
-        for batch_of_heads in self._groups([head for head, _ in heads.values()]):
+        heads: list[tuple[_Encode, list[_Encode]]] = []  # a repeated prompt but its last token, and its rows
+        for group in copies.values():
+            head = _head(group[0], len(group[0].token_ids) - 1, group[0].reused)
+            if len(group) > 1 and head.new > 0:
+                heads.append((head, group))
+        rows_of = {id(head): group for head, group in heads}
+        for batch_of_heads in self._groups([head for head, _ in heads]):
             batch, _ = self._encode(batch_of_heads)
             for index, head in enumerate(batch_of_heads):
-                for item in heads[id(head)][1]:
+                for item in rows_of[id(head)]:
                     item.reused = batch.row(index)
 
     # ------------------------------------------------------------------ encoding
