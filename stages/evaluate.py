@@ -193,13 +193,16 @@ def evaluate_folder(model: str, folder: Path, benchmarks: dict[str, int], params
     def start_engine():
         return make_engine(engine, folder, tokenizer, config, dtype=dtype,
                            gpu_memory_utilization=settings.get("gpu_memory_utilization"),
-                           enforce_eager=settings.get("enforce_eager"))
+                           enforce_eager=settings.get("enforce_eager"),
+                           max_batch_size=settings.get("max_batch_size"))
 
     jobs = benchmark_jobs(tokenizer, {name: (problems[name], k) for name, k in benchmarks.items()}, prompt)
     kind = resolve_engine(engine)
     memo_settings = {"prompt": prompt, "config": dataclasses.asdict(config), "dtype": dtype, "engine": kind,
                      "gpu_memory_utilization": settings.get("gpu_memory_utilization"),
-                     "enforce_eager": settings.get("enforce_eager")}
+                     "enforce_eager": settings.get("enforce_eager"),
+                     # the rows decoded together set the matmul shapes, so the last bits of the logits
+                     "max_batch_size": settings.get("max_batch_size") if kind == "transformers" else None}
     samples = memoised_samples(model, folder, jobs, memo_settings, stamp(folder, prompt, config, dtype, kind),
                                start_engine)
     checker = settings.get("checker", "paper")

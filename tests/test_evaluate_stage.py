@@ -327,6 +327,34 @@ def test_unseen_models_are_evaluated_with_evaluate_unseen_engine(inside, monkeyp
     assert kinds == ["vllm", "transformers", "transformers", "transformers"]
 
 
+def test_evaluate_max_batch_size_reaches_the_engine(inside, monkeypatch):
+    """evaluate.max_batch_size (rows the transformers engine decodes together) is what the engine gets:
+    the tiny profile keeps the top level's 16; a profile may raise it (small: 64)."""
+    import stages.evaluate as stage
+
+    class Started(Exception):
+        pass
+
+    sizes = []
+
+    def make_engine(kind, *args, **kwargs):
+        sizes.append(kwargs["max_batch_size"])
+        raise Started
+
+    monkeypatch.setattr(stage, "make_engine", make_engine)
+    params = inside / "params.yaml"
+    text = params.read_text()
+    try:
+        for size in (None, 5):
+            if size is not None:
+                params.write_text(text.replace("  max_batch_size: 16  ", f"  max_batch_size: {size}  ", 1))
+            with pytest.raises(Started):
+                stage.main(["base"])
+    finally:
+        params.write_text(text)
+    assert sizes == [16, 5]
+
+
 def test_partial_samples_of_another_engine_are_not_reused(inside):
     """The resume stamp names the engine: vLLM decodes Unseen summaries causally, so samples it left
     behind must not complete a transformers evaluation (or the other way round)."""

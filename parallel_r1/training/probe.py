@@ -1,16 +1,15 @@
 """The SFT probe: does a fine-tuned model write parallel blocks on held-out questions (greedy)?
 
 Each variant is decoded the way it is meant to be used:
-- Seen: free causal decoding (`model.generate`): the model writes every tag itself, both paths
-  included, so a well-formed block is entirely its own work.
+- Seen: free causal decoding (the engine without forking, greedy as `model.generate`): the model
+  writes every tag itself, both paths included, so a well-formed block is entirely its own work.
 - Unseen: the forking engine with structured attention, as RL and evaluation decode it (the
   official Parallel-R1 loop): the model opens a block with `<Parallel>`, ends each path with
   `</Path>` and its summary with `</Summary>`; the engine inserts `<Path>`, `</Parallel>` and
   `<Summary>` and runs the paths side by side under the path-window mask.
-  Free causal decoding can never close an Unseen block, so for Unseen it is also reported
-  (`causal`) for reference: decoded linearly under its own path-window mask, path 2 sees exactly
-  what path 1 saw (same context, same multiverse positions) and repeats it, and the token after
-  each `</Path>` is chosen without seeing how many paths exist, so the block ends after one path.
+  For Unseen, free causal decoding (as Seen is decoded: plain causal attention, no forking) is also
+  reported (`causal`), for reference: an Unseen model learnt to leave `<Path>`, `</Parallel>` and
+  `<Summary>` to the engine, so alone it seldom writes a well-formed block (0-2 of 16 measured).
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from parallel_r1.format import check_format, parallel_ratio
 from parallel_r1.models import load_model, runs_in_bf16
 from parallel_r1.prompts import render_prompt
 from parallel_r1.rewards import is_correct
-from parallel_r1.training.sft import end_of_turn
 
 ENGINE_DECODING = ("greedy, forking engine with structured attention (the official loop: the engine inserts "
                    "<Path>, </Parallel>, <Summary>)")
@@ -60,33 +58,27 @@ Responses = tuple[list[str], list[int], list[bool]]  # texts, their token counts
 
 
 def _causal_greedy(model, tokenizer, questions: Sequence[str], max_new_tokens: int) -> Responses:
-    """Responses of plain `model.generate` (one left-padded batch), cut at the first stop token."""
-    from parallel_r1.engine.attention import use_gqa_sdpa
+    """Responses of free causal decoding: the engine without forking, so the model writes every tag.
 
-    use_gqa_sdpa(model)
-    tokenizer.padding_side = "left"
-    stops = sorted({tokenizer.convert_tokens_to_ids(end_of_turn(tokenizer)), tokenizer.eos_token_id})
-    prompts = [render_prompt(tokenizer, q) for q in questions]
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-    with torch.no_grad():
-        out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=stops,
-                             pad_token_id=tokenizer.pad_token_id)
-    texts, lengths, cut = [], [], []
-    for row in out[:, enc["input_ids"].shape[1]:].tolist():
-        ends = [i for i, t in enumerate(row) if t in stops]
-        cut.append(not ends)
-        row = row[:ends[0]] if ends else row
-        lengths.append(len(row))
-        texts.append(tokenizer.decode(row, skip_special_tokens=False))
-    return texts, lengths, cut
+    The same greedy tokens as `model.generate` (tests/test_sft.py compares them), ~1.3x faster on a
+    CPU: a finished response leaves the batch, and the KV cache grows in place (kv_pool.GrowingLayer).
+    """
+    return _engine_responses(model, tokenizer, questions, max_new_tokens, forking=False)
 
 
 def _engine_greedy(model, tokenizer, questions: Sequence[str], max_new_tokens: int) -> Responses:
     """Responses of the forking engine, greedy, Unseen's structured attention."""
+    return _engine_responses(model, tokenizer, questions, max_new_tokens, forking=True)
+
+
+def _engine_responses(model, tokenizer, questions: Sequence[str], max_new_tokens: int,
+                      forking: bool) -> Responses:
     from parallel_r1.engine import RolloutConfig, transformers_engine
 
-    config = RolloutConfig(parallel=True, structured=True, temperature=0.0, max_tokens=max_new_tokens)
-    engine = transformers_engine(model, tokenizer, config)
+    config = RolloutConfig(parallel=forking, structured=forking, temperature=0.0, max_tokens=max_new_tokens)
+    # every question and its paths in one batch: a small model's decode step costs about the same for 16 rows
+    # as for 32 (it is bound by reading the weights)
+    engine = transformers_engine(model, tokenizer, config, max_batch_size=len(questions) * config.num_paths)
     try:
         prompt_ids = [tokenizer(render_prompt(tokenizer, q), add_special_tokens=False)["input_ids"]
                       for q in questions]
