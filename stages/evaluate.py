@@ -201,7 +201,7 @@ def evaluate_folder(model: str, folder: Path, benchmarks: dict[str, int], params
     memo_settings = {"prompt": prompt, "config": dataclasses.asdict(config), "dtype": dtype, "engine": kind,
                      "gpu_memory_utilization": settings.get("gpu_memory_utilization"),
                      "enforce_eager": settings.get("enforce_eager"),
-                     # the rows decoded together set the matmul shapes, so the last bits of the logits
+                     # the rows decoded together set the matmul shapes, which change the logits' last bits
                      "max_batch_size": settings.get("max_batch_size") if kind == "transformers" else None}
     samples = memoised_samples(model, folder, jobs, memo_settings, stamp(folder, prompt, config, dtype, kind),
                                start_engine)

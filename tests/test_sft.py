@@ -223,26 +223,6 @@ def test_stage_writes_model_loss_curve_and_summary(variant, demos, mirror, tmp_p
     assert not (tmp_path / f"checkpoints/sft_{variant}").exists()
 
 
-def test_probe_causal_decoding_is_greedy_generate(tokenizer, demos):
-    """The causal probe decodes through the engine (no forking) for speed; its responses must be
-    exactly `model.generate`'s greedy ones, cut at the first end of turn (float64: no near-ties)."""
-    from parallel_r1.training.probe import _causal_greedy
-    from parallel_r1.training.sft import end_of_turn
-
-    model = build_tiny_model(tokenizer, TINY).double().eval()
-    questions = [demo["question"] for demo in demos[:3]]
-    texts, lengths, cut = _causal_greedy(model, tokenizer, questions, 12)
-    stops = {tokenizer.convert_tokens_to_ids(end_of_turn(tokenizer)), tokenizer.eos_token_id}
-    for question, text, length, was_cut in zip(questions, texts, lengths, cut, strict=True):
-        ids = tokenizer(render_prompt(tokenizer, question), return_tensors="pt", add_special_tokens=False)
-        with torch.no_grad():
-            out = model.generate(**ids, do_sample=False, max_new_tokens=12, eos_token_id=sorted(stops),
-                                 pad_token_id=tokenizer.pad_token_id)[0, ids["input_ids"].shape[1]:].tolist()
-        end = next((i for i, token in enumerate(out) if token in stops), None)
-        assert text == tokenizer.decode(out[:end], skip_special_tokens=False)
-        assert was_cut == (end is None) and length == (12 if end is None else end + 1)
-
-
 def test_probe_report_counts_finished_and_correct_responses():
     """The probe's accuracy uses the paper checker on the last Final Answer, and a response cut by
     the token cap counts as unfinished (it has no answer for accuracy-based RL to reward)."""

@@ -43,12 +43,12 @@ def probe_parallel_blocks(model_dir: str | os.PathLike, problems: Sequence[Mappi
     model, tokenizer = load_model(model_dir, dtype, attn_implementation="sdpa")
     model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
     questions = [p["question"] for p in problems]
-    causal = _report(*_causal_greedy(model, tokenizer, questions, max_new_tokens), problems, max_new_tokens,
-                     CAUSAL_DECODING, n_examples)
+    causal = _report(*_greedy(model, tokenizer, questions, max_new_tokens, forking=False), problems,
+                     max_new_tokens, CAUSAL_DECODING, n_examples)
     if variant != "unseen":
         return causal
-    engine = _report(*_engine_greedy(model, tokenizer, questions, max_new_tokens), problems, max_new_tokens,
-                     ENGINE_DECODING, n_examples)
+    engine = _report(*_greedy(model, tokenizer, questions, max_new_tokens, forking=True), problems,
+                     max_new_tokens, ENGINE_DECODING, n_examples)
     return {**engine, "causal": {key: causal[key] for key in
                                  ("decoding", "parallel_block_rate", "parallel_tag_rate", "format_check",
                                   "finished_rate", "accuracy")}}
@@ -57,27 +57,18 @@ def probe_parallel_blocks(model_dir: str | os.PathLike, problems: Sequence[Mappi
 Responses = tuple[list[str], list[int], list[bool]]  # texts, their token counts, cut by the cap
 
 
-def _causal_greedy(model, tokenizer, questions: Sequence[str], max_new_tokens: int) -> Responses:
-    """Responses of free causal decoding: the engine without forking, so the model writes every tag.
+def _greedy(model, tokenizer, questions: Sequence[str], max_new_tokens: int, forking: bool) -> Responses:
+    """Greedy responses of the engine: forking with Unseen's structured attention, or (forking=False)
+    free causal decoding, where the model writes every tag itself.
 
-    The same greedy tokens as `model.generate` (tests/test_sft.py compares them), ~1.3x faster on a
-    CPU: a finished response leaves the batch, and the KV cache grows in place (kv_pool.GrowingLayer).
+    Causal decoding goes through the engine rather than `model.generate` for speed, with the same
+    greedy tokens (tests/test_engine.py::test_plain_greedy_rollout_equals_model_generate): ~1.3x faster
+    on a CPU, since a finished response leaves the batch and the KV cache grows in place.
     """
-    return _engine_responses(model, tokenizer, questions, max_new_tokens, forking=False)
-
-
-def _engine_greedy(model, tokenizer, questions: Sequence[str], max_new_tokens: int) -> Responses:
-    """Responses of the forking engine, greedy, Unseen's structured attention."""
-    return _engine_responses(model, tokenizer, questions, max_new_tokens, forking=True)
-
-
-def _engine_responses(model, tokenizer, questions: Sequence[str], max_new_tokens: int,
-                      forking: bool) -> Responses:
     from parallel_r1.engine import RolloutConfig, transformers_engine
 
     config = RolloutConfig(parallel=forking, structured=forking, temperature=0.0, max_tokens=max_new_tokens)
-    # every question and its paths in one batch: a small model's decode step costs about the same for 16 rows
-    # as for 32 (it is bound by reading the weights)
+    # every question and its paths in one batch: none waits for a free row
     engine = transformers_engine(model, tokenizer, config, max_batch_size=len(questions) * config.num_paths)
     try:
         prompt_ids = [tokenizer(render_prompt(tokenizer, q), add_special_tokens=False)["input_ids"]
