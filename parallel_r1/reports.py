@@ -403,7 +403,8 @@ def rl_runs(summaries: Mapping[str, Mapping[str, Any]], steps: Mapping[str, Sequ
             return "—" if a is None or b is None else f"{a:.2f} → {b:.2f}"
 
         diversity = [h["path_diversity"] for h in history if h.get("path_diversity") is not None]
-        body.append([f"`{run}`", str(summary["reward"]), str(summary["variant"]),
+        reused = f" (= `{summary['reused_from']}`)" if summary.get("reused_from") else ""
+        body.append([f"`{run}`{reused}", str(summary["reward"]), str(summary["variant"]),
                      f"{summary['steps_with_reward_spread']} / {summary['steps']}", moved("reward"),
                      moved("parallel_ratio"), moved("accuracy"),
                      f"{sum(diversity) / len(diversity):.2f}" if diversity else "—",
@@ -412,7 +413,8 @@ def rl_runs(summaries: Mapping[str, Mapping[str, Any]], steps: Mapping[str, Sequ
         "Steps with a gradient = steps where at least one prompt's rollouts got different rewards (TRL's "
         "`frac_reward_zero_std` < 1); only those change a weight. Columns with → show the first and the "
         "last step. Path diversity = 1 − mean pairwise word-level similarity of a block's paths, averaged "
-        "over the steps' responses with a block.",
+        "over the steps' responses with a block. (= `run`): the same computation as that run (equal init "
+        "weights, prompts, options and rewards), whose model and steps it reused.",
     ])
     lines += _table(["Run", "Reward schedule", "Variant", "Steps with a gradient", "Reward", "Parallel ratio",
                      "Accuracy", "Path diversity", "s / step"], body)

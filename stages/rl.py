@@ -16,13 +16,20 @@ metrics/rl/<run>/summary.json.
 Every step is also logged to the MLflow run `rl@<run>` (by the main process only: see tracking.enabled).
 Checkpoints go to checkpoints/rl/<run>/
 every rl.save_steps; re-running a killed run resumes from the last one.
+
+A run that is the same computation as one already finished (equal init weights by value, prompts, options
+but the names, rewards and code: parallel_r1/training/run_memo.py) reuses that run's model, steps and
+summary (`reused_from` in summary.json and as an MLflow tag) instead of training again: in the default
+profile grpo_gsm8k_then_dapo is grpo_dapo whenever GRPO on GSM8K got no reward spread.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import shutil
 import time
+from pathlib import Path
 
 from parallel_r1 import tracking
 from parallel_r1.config import from_mapping
@@ -30,6 +37,7 @@ from parallel_r1.errors import PipelineError
 from parallel_r1.io import read_jsonl, write_json
 from parallel_r1.models import check_model_dir
 from parallel_r1.rewards import SCHEDULE_KNOBS, SHARED_KNOBS, RewardConfig
+from parallel_r1.training import run_memo
 from parallel_r1.training.grpo import RLOptions, RLResult, train_rl
 from stages.common import load_params, log, section, stage_main
 
@@ -140,28 +148,58 @@ def main(argv: list[str] | None = None) -> None:
     tags = {tracking.TAG_VARIANT: options.variant, tracking.TAG_REWARD_SCHEDULE: options.reward,
             "dataset": options.dataset, "init": options.init, "prompt": options.prompt,
             "parallel": options.parallel}
+    dtype = str(section(params, "model").get("dtype", "float32"))
     started = time.perf_counter()
+    model_dir = Path(f"models/{run}")
     with tracking.stage_run("rl", run, params, tags=tags):
-        result = train_rl(options, init_dir, rows, f"models/{run}", f"checkpoints/rl/{run}",
-                          reward_config=rewards, dtype=str(section(params, "model").get("dtype", "float32")),
-                          report_to=tracking.report_to(), where=data)
-        if not result.is_main_process:
-            return
-        summary = {"profile": params["profile"], **summarize(run, options, result,
-                                                             time.perf_counter() - started)}
-        write_json(f"{result.model_dir}/{ROLLOUT_RECORD}",
+        key = run_memo.run_key(options, rows, init_dir, rewards, dtype)
+        reused = run_memo.reuse(key, model_dir) if key is not None else None
+        if reused is not None:
+            history, summary = reused["history"], reuse_summary(run, options, reused, started)
+            replay_log_history(reused["log_history"])
+            tracking.set_tags({"reused_from": reused["run"]})
+            shutil.rmtree(f"checkpoints/rl/{run}", ignore_errors=True)  # an earlier, killed attempt's
+            log.info(f"rl@{run}: the same run as rl@{reused['run']} (init weights, prompts, options, rewards "
+                     f"and code), its model and steps reused ({run_memo.memo_path(key)})")
+        else:
+            result = train_rl(options, init_dir, rows, model_dir, f"checkpoints/rl/{run}",
+                              reward_config=rewards, dtype=dtype, report_to=tracking.report_to(), where=data)
+            if not result.is_main_process:
+                return
+            history = result.history
+            summary = {"profile": params["profile"], **summarize(run, options, result,
+                                                                 time.perf_counter() - started)}
+            if key is not None and result.resumed_from is None:
+                run_memo.store(key, run, model_dir, result.log_history, history, summary)
+        write_json(model_dir / ROLLOUT_RECORD,
                    {"prompt": options.prompt, "variant": options.variant, "parallel": options.parallel})
-        write_json(f"metrics/rl/{run}/steps.json", result.history)
+        write_json(f"metrics/rl/{run}/steps.json", history)
         write_json(f"metrics/rl/{run}/summary.json", summary)
         tracking.log_metrics({key: summary[key] for key in ("mean_step_seconds", "rollout_tokens_per_s",
                                                             "final_reward", "final_accuracy",
                                                             "final_parallel_ratio")})
-        tracking.log_model_reference(result.model_dir)
-    log.info(f"rl@{run}: {result.steps} steps ({result.steps_this_run} this run), "
+        tracking.log_model_reference(model_dir)
+    log.info(f"rl@{run}: {summary['steps']} steps ({summary['steps_this_run']} this run), "
           f"{summary['mean_step_seconds']} s/step, "
-          f"rollouts {summary['rollout_tokens_per_s']} tokens/s ({result.engine}); final reward "
+          f"rollouts {summary['rollout_tokens_per_s']} tokens/s ({summary['rollout_backend']}); final reward "
           f"{summary['final_reward']}, accuracy {summary['final_accuracy']}, parallel ratio "
-          f"{summary['final_parallel_ratio']} -> {result.model_dir}")
+          f"{summary['final_parallel_ratio']} -> {model_dir}")
+
+
+def reuse_summary(run: str, options: RLOptions, reused: dict, started: float) -> dict:
+    """The stored run's summary as this run's: its name, init and wall time, no step trained here, and
+    `reused_from` naming the run whose model and steps these are (the training numbers are that run's)."""
+    return {**reused["summary"], "run": run, "init": options.init, "steps_this_run": 0, "resumed_from": None,
+            "wall_seconds": round(time.perf_counter() - started, 1), "reused_from": reused["run"]}
+
+
+def replay_log_history(log_history: list[dict]) -> None:
+    """Log the stored run's Trainer log into this MLflow run as the Trainer's callback did: every numeric
+    value of each entry at its optimizer step."""
+    for entry in log_history:
+        metrics = {key: value for key, value in entry.items() if key != "step"
+                   and isinstance(value, (int, float)) and not isinstance(value, bool)}
+        tracking.log_metrics(metrics, step=int(entry.get("step", 0)))
 
 
 if __name__ == "__main__":

@@ -440,7 +440,7 @@ def test_model_digest_reads_values_not_files(tmp_path):
     import torch
 
     from parallel_r1.models import load_model
-    from parallel_r1.sample_memo import model_digest
+    from parallel_r1.weights_digest import model_digest
 
     source = tmp_path / "source"
     prepare_base_model("tiny", source, tiny=SMALL)

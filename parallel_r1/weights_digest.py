@@ -1,0 +1,52 @@
+"""A model folder's identity by value: what it computes, not how its files were written.
+
+The memos (`sample_memo` for evaluations, `training/run_memo` for RL runs) key on it. It hashes tensor
+*values* as float32 plus the files that change what a model generates (config and tokenizer), not file
+names, sizes or mtimes: a re-saved checkpoint (the base model is stored in bf16, an RL model saved from
+float32 masters) has the digest it had, and any changed weight changes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+# Files besides the weights that change what a model generates (the tokenizer renders the prompts)
+DEFINING_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                  "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "vocab.json",
+                  "merges.txt", "tokenizer.model")
+CONFIG_STORAGE_KEYS = ("dtype", "torch_dtype", "transformers_version")  # how it was saved, not what it does
+
+
+def model_digest(folder: Path) -> str | None:
+    """sha256 of the folder's tensors (name, shape, float32 values, in name order) and defining files;
+    None when its weights are not all safetensors (a pickled .bin is not read here: no memo)."""
+    import torch
+    from safetensors import safe_open
+
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights or any(folder.glob("*.bin")):
+        return None
+    digest = hashlib.sha256()
+    for path in weights:
+        with safe_open(str(path), framework="pt") as tensors:
+            for name in sorted(tensors.keys()):
+                tensor = tensors.get_tensor(name).to(torch.float32).contiguous()
+                digest.update(f"{name}:{tuple(tensor.shape)}".encode())
+                digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    for name in DEFINING_FILES:
+        if (folder / name).is_file():
+            digest.update(name.encode())
+            digest.update(_defining_bytes(folder / name))
+    return digest.hexdigest()
+
+
+def _defining_bytes(path: Path) -> bytes:
+    """The file's bytes; of a model config, without the storage dtype (the engine loads the weights in
+    evaluate's dtype whatever they were saved in) and the writer's transformers version."""
+    if path.name != "config.json":
+        return path.read_bytes()
+    config = {key: value for key, value in json.loads(path.read_text(encoding="utf-8")).items()
+              if key not in CONFIG_STORAGE_KEYS}
+    return json.dumps(config, sort_keys=True).encode()
