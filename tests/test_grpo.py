@@ -415,6 +415,14 @@ def test_prompt_order_depends_only_on_seed_and_epoch():
     assert sorted(orders[1]) == sorted(i for i in range(10) for _ in range(2))
 
 
+class SavedSteps(TrainerCallback):
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_save(self, args, state, control, **kwargs):
+        self.steps.append(state.global_step)
+
+
 class KillAtStep2(TrainerCallback):
     """Stops the run like a kill, right after the step-2 checkpoint is written."""
 
@@ -430,11 +438,13 @@ def test_killed_run_resumes_from_its_last_checkpoint_with_the_uninterrupted_hist
         return options({**RL, "datasets": {"gsm8k": {"batch_size": 1, "num_generations": 4, "max_steps": n}}},
                        variant="unseen")
 
-    uninterrupted = run_once(init_dir, tmp_path / "uninterrupted", tokenizer, steps(3))
+    saves = SavedSteps()
+    uninterrupted = run_once(init_dir, tmp_path / "uninterrupted", tokenizer, steps(3), callbacks=[saves])
+    assert saves.steps == [1, 2]  # every save_steps (1), but the last: the final model is saved instead
     pinned = [value for step in PINNED_UNSEEN_GRPO_HISTORY for value in step]
     assert [r[k] for r in uninterrupted.history for k in PINNED_KEYS] == pytest.approx(pinned, rel=1e-3)
-    with pytest.raises(KeyboardInterrupt):
-        run_once(init_dir, tmp_path, tokenizer, steps(2), callbacks=[KillAtStep2()])
+    with pytest.raises(KeyboardInterrupt):  # (no checkpoint is written at a run's last step)
+        run_once(init_dir, tmp_path, tokenizer, steps(4), callbacks=[KillAtStep2()])
     checkpoints = tmp_path / "checkpoints" / "test_run"
     assert (checkpoints / "checkpoint-2").is_dir() and not (tmp_path / "models" / "test_run").exists()
 

@@ -48,6 +48,7 @@ from parallel_r1.rewards import REWARDS, RewardConfig, build_reward
 from parallel_r1.training.checkpoints import (
     check_scheduler,
     file_signature,
+    no_checkpoint_at_the_end,
     process_state,
     resume_point,
     trainer_arguments,
@@ -401,7 +402,7 @@ def train_rl(options: RLOptions, init_dir: str | os.PathLike, rows: Sequence[Map
         model=model, reward_funcs=[build_reward(options.reward, reward_config, updates)], args=config,
         train_dataset=dataset, processing_class=tokenizer, structured=options.structured,
         rollout_func=rollout_function_for(options, engine, tokenizer, **(engine_options or {})),
-        callbacks=[*([snapshotter] if snapshotter else []), *callbacks])
+        callbacks=[no_checkpoint_at_the_end(), *([snapshotter] if snapshotter else []), *callbacks])
     check_sharding_active(trainer, f"rl@{options.run}")
     if snapshotter:
         snapshotter.trainer = trainer

@@ -48,6 +48,7 @@ from parallel_r1.structure import Structure, TagIds, attention_inputs, build_str
 from parallel_r1.training.checkpoints import (
     check_scheduler,
     file_signature,
+    no_checkpoint_at_the_end,
     process_state,
     resume_point,
     trainer_arguments,
@@ -257,7 +258,7 @@ def make_trainer(options: SFTOptions, model, tokenizer, dataset, output_dir: str
                         processes=processes)
     collator = ParallelSFTCollator(tokenizer.pad_token_id, tags, config.pad_to_multiple_of)
     trainer = SFTTrainer(model=model, args=config, data_collator=collator, train_dataset=dataset,
-                         processing_class=tokenizer, callbacks=list(callbacks))
+                         processing_class=tokenizer, callbacks=[no_checkpoint_at_the_end(), *callbacks])
     if options.structured:
         assert trainer.model is not None  # SFTTrainer keeps the model it was given
         install_structured_attention(trainer.model, options.attn_implementation)
