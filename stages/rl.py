@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import shutil
 import time
 from pathlib import Path
@@ -155,7 +156,8 @@ def main(argv: list[str] | None = None) -> None:
         key = run_memo.run_key(options, rows, init_dir, rewards, dtype)
         reused = run_memo.reuse(key, model_dir) if key is not None else None
         if reused is not None:
-            history, summary = reused["history"], reuse_summary(run, options, reused, started)
+            history = reused["history"]
+            summary = {**reuse_summary(run, options, reused, started), "profile": params["profile"]}
             replay_log_history(reused["log_history"])
             tracking.set_tags({"reused_from": reused["run"]})
             shutil.rmtree(f"checkpoints/rl/{run}", ignore_errors=True)  # an earlier, killed attempt's
@@ -194,11 +196,11 @@ def reuse_summary(run: str, options: RLOptions, reused: dict, started: float) ->
 
 
 def replay_log_history(log_history: list[dict]) -> None:
-    """Log the stored run's Trainer log into this MLflow run as the Trainer's callback did: every numeric
-    value of each entry at its optimizer step."""
+    """Log the stored run's Trainer log into this MLflow run as transformers' MLflowCallback did: every
+    numeric value of each entry at its optimizer step, under the same sanitised names."""
     for entry in log_history:
-        metrics = {key: value for key, value in entry.items() if key != "step"
-                   and isinstance(value, (int, float)) and not isinstance(value, bool)}
+        metrics = {re.sub(r"[^0-9A-Za-z_\-\.\ :/]", "_", key): value for key, value in entry.items()
+                   if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
         tracking.log_metrics(metrics, step=int(entry.get("step", 0)))
 
 

@@ -10,7 +10,6 @@ advantages, structured log-probs, the update, checkpoints -- is the real code pa
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import shutil
 from dataclasses import astuple
@@ -500,32 +499,6 @@ def test_corrupt_init_model_stops_with_one_line(tmp_path, monkeypatch, capsys, i
     assert err == "error: models/base: no weights (*.safetensors) — corrupt or half-written checkpoint"
 
 
-@pytest.mark.slow
-def test_stage_writes_model_steps_and_summary(tmp_path, monkeypatch, init_dir):
-    from stages import rl as stage
-
-    stage_project(tmp_path, with_model=init_dir)
-    params = yaml.safe_load((tmp_path / "params.yaml").read_text())
-    params["profiles"]["tiny"]["rl"].update({"max_completion_tokens": 8, "save_steps": 5})
-    params["profiles"]["tiny"]["rl_datasets"]["gsm8k"].update({"batch_size": 1, "num_generations": 2, "max_steps": 1})
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PARALLEL_R1_TRACKING", "off")
-    stage.main(["grpo_gsm8k"])
-    steps = read_json(tmp_path / "metrics/rl/grpo_gsm8k/steps.json")
-    assert [tuple(r) for r in steps] == [STEP_KEYS] and steps[0]["reward_type"] == "accuracy"
-    summary = read_json(tmp_path / "metrics/rl/grpo_gsm8k/summary.json")
-    assert summary["steps"] == 1 and summary["rollout_backend"] == "transformers"
-    assert 0 <= steps[0]["frac_reward_zero_std"] <= 1  # TRL's per-step reward spread reaches steps.json
-    assert summary["steps_with_reward_spread"] == int(steps[0]["frac_reward_zero_std"] < 1)
-    # one micro-batch (2 rollouts of 1 prompt): skipped exactly when the group had no spread
-    assert summary["skipped_micro_batches_this_run"] == 1 - summary["steps_with_reward_spread"]
-    assert summary["rollout_tokens_per_s"] > 0 and summary["final_reward"] == steps[0]["reward"]
-    assert set(summary["step_time_split"]) == {"rollout_seconds", "scoring_seconds", "update_seconds"}
-    assert summary["profile"] == "tiny" and json.dumps(summary)
-    load_model(tmp_path / "models/grpo_gsm8k")
-
-
 def nudge_one_weight(folder: Path) -> None:
     model, _ = load_model(folder)
     with torch.no_grad():
@@ -557,7 +530,7 @@ def test_a_runs_memo_key_ignores_its_names_but_not_what_it_trains_on(init_dir, t
 
 
 @pytest.mark.slow
-def test_a_run_equal_to_a_finished_one_reuses_its_model_and_training_it_gives_the_same(
+def test_stage_writes_model_steps_and_summary_and_an_equal_run_reuses_them(
         tmp_path, monkeypatch, capsys, init_dir):
     from parallel_r1.weights_digest import model_digest
     from stages import rl as stage
@@ -576,6 +549,18 @@ def test_a_run_equal_to_a_finished_one_reuses_its_model_and_training_it_gives_th
     metrics = tmp_path / "metrics/rl"
     stage.main(["grpo_dapo"])
     trained_steps = read_json(metrics / "grpo_dapo/steps.json")
+    assert [tuple(r) for r in trained_steps] == [STEP_KEYS] and trained_steps[0]["reward_type"] == "accuracy"
+    trained_summary = read_json(metrics / "grpo_dapo/summary.json")
+    assert trained_summary["steps"] == 1 and trained_summary["rollout_backend"] == "transformers"
+    assert 0 <= trained_steps[0]["frac_reward_zero_std"] <= 1  # TRL's per-step reward spread reaches steps.json
+    assert trained_summary["steps_with_reward_spread"] == int(trained_steps[0]["frac_reward_zero_std"] < 1)
+    # one micro-batch (2 rollouts of 1 prompt): skipped exactly when the group had no spread
+    assert trained_summary["skipped_micro_batches_this_run"] == 1 - trained_summary["steps_with_reward_spread"]
+    assert trained_summary["rollout_tokens_per_s"] > 0
+    assert trained_summary["final_reward"] == trained_steps[0]["reward"]
+    assert set(trained_summary["step_time_split"]) == {"rollout_seconds", "scoring_seconds", "update_seconds"}
+    assert trained_summary["profile"] == "tiny" and "reused_from" not in trained_summary
+    load_model(tmp_path / "models/grpo_dapo")
     trained = model_digest(tmp_path / "models/grpo_dapo")
     capsys.readouterr()
 

@@ -159,6 +159,14 @@ def test_zero_row_sft_set_stops_with_one_line(tmp_path, monkeypatch, capsys):
 PINNED_UNSEEN_LOSSES = [11.9327, 11.8427, 11.5274, 11.4360]
 
 
+class _SavedSteps(TrainerCallback):
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_save(self, args, state, control, **kwargs):
+        self.steps.append(state.global_step)
+
+
 class _KillAfterFirstCheckpoint(TrainerCallback):
     """Stops the run like a kill, right after the first checkpoint is written."""
 
@@ -180,7 +188,10 @@ def test_killed_unseen_run_resumes_and_saves_a_loadable_model(demos, tmp_path):
     assert [entry["step"] for entry in result.loss_history] == [1, 2, 3, 4]
     assert result.loss_history[-1]["loss"] < result.loss_history[0]["loss"]
     # the resumed run continues the same trajectory: its losses are the uninterrupted run's
-    straight = train_sft(opts, base, demos, tmp_path / "straight", tmp_path / "straight_checkpoints")
+    saves = _SavedSteps()
+    straight = train_sft(opts, base, demos, tmp_path / "straight", tmp_path / "straight_checkpoints",
+                         callbacks=[saves])
+    assert saves.steps == [2]  # every save_steps (2) but the last (4): the final model is saved instead
     assert [e["loss"] for e in straight.loss_history] == pytest.approx(PINNED_UNSEEN_LOSSES, rel=1e-3)
     assert [e["loss"] for e in result.loss_history] == pytest.approx([e["loss"] for e in straight.loss_history],
                                                                       rel=1e-4)

