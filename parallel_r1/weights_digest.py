@@ -1,16 +1,20 @@
 """A model folder's identity by value: what it computes, not how its files were written.
 
-The memos (`sample_memo` for evaluations, `training/run_memo` for RL runs) key on it. It hashes tensor
-*values* as float32 plus the files that change what a model generates (config and tokenizer), not file
-names, sizes or mtimes: a re-saved checkpoint (the base model is stored in bf16, an RL model saved from
-float32 masters) has the digest it had, and any changed weight changes it.
+The memos (`sample_memo` for evaluations, `training/run_memo` for RL runs) key on it, and on
+`environment`: the code, libraries and device that turn the same inputs into the same outputs.
+The digest hashes tensor *values* as float32 plus the files that change what a model generates
+(config and tokenizer), not file names, sizes or mtimes: a re-saved checkpoint (the base model is
+stored in bf16, an RL model saved from float32 masters) has the digest it had, and any changed
+weight changes it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 from pathlib import Path
+from typing import Any, Iterable
 
 # Files besides the weights that change what a model generates (the tokenizer renders the prompts)
 DEFINING_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -50,3 +54,22 @@ def _defining_bytes(path: Path) -> bytes:
     config = {key: value for key, value in json.loads(path.read_text(encoding="utf-8")).items()
               if key not in CONFIG_STORAGE_KEYS}
     return json.dumps(config, sort_keys=True).encode()
+
+
+def environment(code: Iterable[Path], libraries: Iterable[str]) -> dict[str, Any]:
+    """What besides the inputs decides a memoised result: a hash of the `code` files (name and bytes; a
+    missing file hashes as empty), the `libraries`' installed versions (None: not installed), the device."""
+    import torch
+
+    digest = hashlib.sha256()
+    for path in code:
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes() if path.is_file() else b"")
+    versions: dict[str, str | None] = {}
+    for name in libraries:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"code": digest.hexdigest(), "versions": versions, "device": device}

@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
         reused = run_memo.reuse(key, model_dir) if key is not None else None
         if reused is not None:
             history = reused["history"]
-            summary = {**reuse_summary(run, options, reused, started), "profile": params["profile"]}
+            summary = reuse_summary(run, options, params["profile"], reused, started)
             replay_log_history(reused["log_history"])
             tracking.set_tags({"reused_from": reused["run"]})
             shutil.rmtree(f"checkpoints/rl/{run}", ignore_errors=True)  # an earlier, killed attempt's
@@ -188,11 +188,12 @@ def main(argv: list[str] | None = None) -> None:
           f"{summary['final_parallel_ratio']} -> {model_dir}")
 
 
-def reuse_summary(run: str, options: RLOptions, reused: dict, started: float) -> dict:
-    """The stored run's summary as this run's: its name, init and wall time, no step trained here, and
-    `reused_from` naming the run whose model and steps these are (the training numbers are that run's)."""
-    return {**reused["summary"], "run": run, "init": options.init, "steps_this_run": 0, "resumed_from": None,
-            "wall_seconds": round(time.perf_counter() - started, 1), "reused_from": reused["run"]}
+def reuse_summary(run: str, options: RLOptions, profile: str, reused: dict, started: float) -> dict:
+    """The stored run's summary as this run's: its name, init, profile and wall time, no step trained here,
+    and `reused_from` naming the run whose model and steps these are (the training numbers are that run's)."""
+    return {**reused["summary"], "profile": profile, "run": run, "init": options.init, "steps_this_run": 0,
+            "resumed_from": None, "wall_seconds": round(time.perf_counter() - started, 1),
+            "reused_from": reused["run"]}
 
 
 def replay_log_history(log_history: list[dict]) -> None:

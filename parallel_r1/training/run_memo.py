@@ -12,13 +12,12 @@ folder of the run that stored it, once its weights are checked to still have the
 its step history and summary, instead of repeating minutes of rollouts that would come out bit for bit
 the same (tests/test_grpo.py trains both ways and compares). Entries live in data/memo/rl/ beside the
 evaluation memo and point at models/<run> rather than keep a copy of the weights. Runs that write step
-snapshots (the scaffold run) and multi-process runs are not memoised.
+snapshots (the scaffold run), multi-process launches and DeepSpeed / FSDP launches are not memoised.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import os
 import shutil
@@ -28,7 +27,7 @@ from typing import Any, Mapping, Sequence
 
 from parallel_r1.io import atomic_path, read_json, write_json
 from parallel_r1.rewards import RewardConfig
-from parallel_r1.weights_digest import model_digest
+from parallel_r1.weights_digest import environment, model_digest
 
 MEMO_DIR = Path("data/memo/rl")
 PROJECT = Path(__file__).resolve().parents[2]
@@ -56,26 +55,9 @@ def run_key(options: Any, rows: Sequence[Mapping[str, Any]], init_dir: Path, rew
         return None
     settings = {key: value for key, value in asdict(options).items() if key not in NOT_DECIDING}
     rows_sha = hashlib.sha256(json.dumps(list(rows), sort_keys=True).encode()).hexdigest()
-    text = json.dumps([digest, settings, asdict(rewards), dtype, rows_sha, launch, _environment()],
-                      sort_keys=True)
+    inputs = [digest, settings, asdict(rewards), dtype, rows_sha, launch, environment(CODE, LIBRARIES)]
+    text = json.dumps(inputs, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _environment() -> dict[str, Any]:
-    import torch
-
-    code = hashlib.sha256()
-    for path in CODE:
-        code.update(path.relative_to(PROJECT).as_posix().encode())
-        code.update(path.read_bytes())
-    versions: dict[str, str | None] = {}
-    for name in LIBRARIES:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = None
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return {"code": code.hexdigest(), "versions": versions, "device": device}
 
 
 def memo_path(key: str) -> Path:
