@@ -3,6 +3,8 @@
 - `sdpa_gqa` (engine/attention.py): SDPA with grouped KV heads passed as they are must give the
   logits of transformers' "sdpa" (which copies each KV head per query group) under a padding
   mask, a structured path-window mask, and with a KV cache.
+- its bf16/fp16 decode step (`grouped_decode_attention`, one query token: the CPU SDPA kernel
+  is slow there) must compute attention under bool, additive and no masks.
 - `GrowingLayer` (engine/kv_pool.py): appending into spare columns must hold what
   concatenation holds, without reallocating while there is room, and must take tensors the pool
   put in place (rows joined or left) as the new contents.
@@ -11,10 +13,13 @@
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
+import pytest
 import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from parallel_r1.engine.attention import GQA_SDPA, use_gqa_sdpa
+from parallel_r1.engine.attention import GQA_SDPA, gqa_sdpa_forward, grouped_decode_attention, use_gqa_sdpa
 from parallel_r1.engine.kv_pool import GrowingLayer
 from parallel_r1.models import TinyModelConfig, build_tiny_model, load_tokenizer, qwen3_tokenizer_dir
 from parallel_r1.prompts import render_prompt
@@ -58,6 +63,27 @@ def test_gqa_sdpa_gives_sdpa_logits_under_padding_structure_and_cache():
             steps.append(net(input_ids=nxt, attention_mask=mask, past_key_values=out.past_key_values,
                              use_cache=True).logits)
         torch.testing.assert_close(steps[1], steps[0], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "additive", "none"])
+def test_grouped_decode_attention_is_attention_under_every_mask_kind(mask_kind):
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(5, 9, 1, 64, generator=generator, dtype=torch.float64)
+    key, value = (torch.randn(5, 3, 40, 64, generator=generator, dtype=torch.float64) for _ in range(2))
+    allowed = torch.rand(5, 1, 1, 40, generator=generator) > 0.3
+    allowed[..., -1] = True  # a decoding row always sees its own column
+    mask = {"bool": allowed, "none": None,
+            "additive": torch.zeros(allowed.shape, dtype=torch.float64).masked_fill(~allowed, -1e30)}[mask_kind]
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True)
+    expected = sdpa_attention_forward(module, query, key, value, mask)[0]
+    torch.testing.assert_close(grouped_decode_attention(query, key, value, mask, None), expected,
+                               rtol=0, atol=1e-6)  # its softmax runs in float32
+    # a bf16 decode step takes this path, within bf16 rounding of the float64 attention
+    low = [t.bfloat16() for t in (query, key, value)]
+    got = gqa_sdpa_forward(module, *low, mask if mask_kind != "additive" else mask.bfloat16())[0]
+    assert torch.equal(got, grouped_decode_attention(*low, mask if mask_kind != "additive" else mask.bfloat16(),
+                                                     None))
+    torch.testing.assert_close(got.double(), expected, rtol=0, atol=0.03)
 
 
 def test_gqa_sdpa_leaves_other_implementations_alone():
