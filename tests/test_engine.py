@@ -9,6 +9,8 @@ engine's own.
 
 from __future__ import annotations
 
+import copy
+
 import importlib.util
 import socket
 import subprocess
@@ -329,6 +331,40 @@ def test_rollout_func_returns_one_tagged_rollout_per_trl_prompt(tiny):
         assert "<Parallel>" not in tiny.tokenizer.decode(ids, skip_special_tokens=True)  # why completion_text exists
     assert output["num_blocks"] == [1, 1, 1, 1] and output["truncated"] == [False] * 4
     assert rollout_func(QUESTIONS[:1], trainer_stand_in(tiny))["prompt_ids"] == tiny.prompts[:1]  # a bare question
+
+
+def test_rollout_func_decodes_a_bf16_copy_that_follows_the_policy(tiny):
+    from trl.trainer.utils import add_fused_lm_head
+
+    policy = copy.deepcopy(tiny.model)
+    add_fused_lm_head(policy)  # as GRPOTrainer does: an instance forward calling the policy's own
+    trainer = SimpleNamespace(**{**vars(trainer_stand_in(tiny)), "model": policy})
+    factory = engine_for_trainer("transformers", tiny.tokenizer, RolloutConfig(parallel=False, max_tokens=4, seed=1),
+                                 decode_dtype="bfloat16")
+    built = []
+    rollout_func = make_rollout_func(lambda t: built.append(factory(t)) or built[-1], tiny.tokenizer)
+    assert len(rollout_func(QUESTIONS[:1], trainer)["completion_ids"][0]) == 4
+    decoder = built[0].backend.model
+    assert decoder is not policy and {p.dtype for p in decoder.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in policy.parameters()} == {torch.float32}  # the trainer's weights are untouched
+    assert decoder(input_ids=torch.tensor([tiny.prompts[0]])).logits.dtype == torch.bfloat16  # not the policy's
+    with torch.no_grad():  # an optimizer step
+        for parameter in policy.parameters():
+            parameter.mul_(1.5)
+    rollout_func(QUESTIONS[:1], trainer)
+    assert len(built) == 1
+    for ours, theirs in zip(decoder.parameters(), policy.parameters(), strict=True):
+        assert torch.equal(ours, theirs.detach().to(torch.bfloat16))
+
+
+def test_decode_dtype_is_bf16_only_for_the_transformers_engine_on_a_bf16_cpu():
+    from parallel_r1.models import runs_in_bf16
+    from parallel_r1.training.grpo import decode_dtype_for
+
+    assert decode_dtype_for("float32", "transformers") is None
+    assert decode_dtype_for("bfloat16", "vllm") is None
+    bf16_cpu = runs_in_bf16("bfloat16") and not torch.cuda.is_available()
+    assert decode_dtype_for("bfloat16", "transformers") == ("bfloat16" if bf16_cpu else None)
 
 
 def test_rollout_func_seeds_each_process_differently(tiny):

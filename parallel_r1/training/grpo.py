@@ -364,7 +364,8 @@ def train_rl(options: RLOptions, init_dir: str | os.PathLike, rows: Sequence[Map
     run under bf16 autocast on a GPU. Not on a CPU, even one with bf16 units: there a SmolLM2-135M
     GRPO step measured 42.6 s under autocast against 33.2 s in float32 (rollouts 40 vs 70 tokens/s
     even with the engine's `no_autocast`; likely because accelerate wraps the model's forward in
-    autocast itself). A run with
+    autocast itself). There the transformers engine samples from a bf16 copy of the policy instead
+    (`decode_dtype_for`), and the trainer scores in float32. A run with
     the same fingerprint as the checkpoints in `checkpoint_dir` resumes from the last one (a larger
     max_steps continues it); the folder is removed once the model is in place. `engine_options` go
     to the rollout backend (transformers: max_batch_size, logits_processor).
@@ -389,6 +390,7 @@ def train_rl(options: RLOptions, init_dir: str | os.PathLike, rows: Sequence[Map
     colocate = engine == "vllm" and options.vllm_mode == "colocate"
     colocated = options.vllm_gpu_memory_utilization if colocate else 0.0
     check_training_memory(model, colocated, f"rl@{options.run}")
+    decode_dtype = decode_dtype_for(dtype, engine)
     dataset, dropped = rl_dataset(rows, tokenizer, options.prompt, options.max_prompt_tokens, where)
     resumed_from = resume_point(checkpoint_dir, _fingerprint(options, dataset, init_dir, reward_config),
                                 state)
@@ -401,7 +403,8 @@ def train_rl(options: RLOptions, init_dir: str | os.PathLike, rows: Sequence[Map
     trainer = ParallelGRPOTrainer(
         model=model, reward_funcs=[build_reward(options.reward, reward_config, updates)], args=config,
         train_dataset=dataset, processing_class=tokenizer, structured=options.structured,
-        rollout_func=rollout_function_for(options, engine, tokenizer, **(engine_options or {})),
+        rollout_func=rollout_function_for(options, engine, tokenizer, decode_dtype=decode_dtype,
+                                          **(engine_options or {})),
         callbacks=[no_checkpoint_at_the_end(), *([snapshotter] if snapshotter else []), *callbacks])
     check_sharding_active(trainer, f"rl@{options.run}")
     if snapshotter:
@@ -444,6 +447,16 @@ def _keep_trl_off_vllm() -> None:
         return
     import_utils: Any = importlib.import_module("trl.import_utils")
     import_utils.is_vllm_available = lambda min_version=None: False
+
+
+def decode_dtype_for(dtype: str, engine: str) -> str | None:
+    """The dtype the transformers engine decodes a copy of the policy in, or None for the policy itself:
+    bfloat16 on a CPU with bf16 units when `dtype` asks for it (`models.runs_in_bf16`), where GRPO keeps
+    float32 (see `train_rl`). On a GPU the engine decodes the policy as it is, as before."""
+    import torch
+
+    wanted = engine == "transformers" and runs_in_bf16(dtype) and not torch.cuda.is_available()
+    return dtype if wanted else None
 
 
 def rollout_function_for(options: RLOptions, engine: Literal["transformers", "vllm"], tokenizer,
