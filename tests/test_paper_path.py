@@ -332,6 +332,7 @@ def sharded_trainer(zero_stage: int = 0, fsdp_version: int | None = None, gather
     state = SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=zero_stage) if zero_stage else None,
                             fsdp_plugin=SimpleNamespace(fsdp_version=fsdp_version) if fsdp_version else None)
     return SimpleNamespace(accelerator=SimpleNamespace(state=state, process_index=0), model_wrapped="wrapped",
+                           model="policy",
                            args=SimpleNamespace(ds3_gather_for_generation=gather),
                            state=SimpleNamespace(global_step=0))
 
@@ -360,14 +361,19 @@ def test_transformers_rollouts_decode_a_gathered_policy_under_zero3(tokenizer, m
             events.append("generate")
             return []
 
+        def sync_weights(self, model):  # before every batch but the first (a decoding copy refreshes)
+            events.append("sync")
+
     monkeypatch.setattr(trl.models, "unwrap_model_for_generation", unwrap)
     rollout = make_rollout_func(lambda t: Engine(), tokenizer)
     rollout(["What is 2 + 3?"], sharded_trainer(zero_stage=3))
     assert events == [("gather", "wrapped", True), "generate", "release"]
+    rollout(["What is 2 + 3?"], sharded_trainer(zero_stage=3))  # the engine syncs inside the gather
+    assert events[3:] == [("gather", "wrapped", True), "sync", "generate", "release"]
     rollout(["What is 2 + 3?"], sharded_trainer(zero_stage=2))  # ZeRO-2 keeps whole parameters
-    assert events[-1] == "generate"
+    assert events[-3:] == ["release", "sync", "generate"]
     rollout(["What is 2 + 3?"], sharded_trainer(fsdp_version=2))  # no gather: decoded in lockstep
-    assert events[-2:] == ["generate", "generate"]
+    assert events[-4:] == ["sync", "generate", "sync", "generate"]
     for trainer, message in ((sharded_trainer(fsdp_version=1), "FSDP1 is not supported"),
                              (sharded_trainer(zero_stage=3, gather=False), "ds3_gather_for_generation")):
         with pytest.raises(PipelineError, match=message) as error:
