@@ -347,6 +347,9 @@ def test_rollout_func_decodes_a_bf16_copy_that_follows_the_policy(tiny):
     decoder = built[0].backend.model
     assert decoder is not policy and {p.dtype for p in decoder.parameters()} == {torch.bfloat16}
     assert {p.dtype for p in policy.parameters()} == {torch.float32}  # the trainer's weights are untouched
+    buffers = dict(policy.named_buffers())
+    assert buffers and {name: b.dtype for name, b in decoder.named_buffers()} == {  # rotary inv_freq: float32
+        name: b.dtype for name, b in buffers.items()}
     assert decoder(input_ids=torch.tensor([tiny.prompts[0]])).logits.dtype == torch.bfloat16  # not the policy's
     with torch.no_grad():  # an optimizer step
         for parameter in policy.parameters():

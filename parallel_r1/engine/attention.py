@@ -11,7 +11,8 @@ One exception, a decode step (one query token) in bf16/fp16 on CPU: there the SD
 slow (SmolLM2-135M's attention over 64 rows of 600 cached tokens: 19.9 ms per layer in bf16
 against 3.9 ms in float32), so `grouped_decode_attention` computes it as two matmuls per KV
 head group with a float32 softmax: 1.8 ms. Its outputs differ from the bf16 kernel's by bf16
-rounding (the probabilities are rounded to bf16 for the value matmul, as flash kernels do).
+rounding: its scores come out of a bf16 matmul (as in eager attention; the kernel keeps them in
+float32), and the probabilities are rounded to bf16 for the value matmul, as flash kernels do.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def gqa_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
 def grouped_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              attention_mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
     """Attention of Q query tokens [B, H, Q, D] over grouped KV heads [B, KV, T, D] without copying
-    them: the H / KV query heads of a group share one matmul; scores and softmax in float32.
+    them: the H / KV query heads of a group share one matmul (its scores then scaled, masked and
+    softmaxed in float32).
     `attention_mask`: sdpa's (bool, True = attend, or additive float), [B or 1, 1, Q, T], or None
     (attend to everything: a single query token is the last one). Returns [B, Q, H, D]."""
     rows, heads, queries, dim = query.shape

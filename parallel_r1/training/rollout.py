@@ -99,15 +99,21 @@ def engine_for_trainer(kind: Literal["transformers", "vllm"], tokenizer, config:
 def decoding_copy(policy, dtype: str):
     """A frozen copy of `policy` with its weights in `dtype`, for the engine to decode with.
 
+    Only the parameters change dtype, as `from_pretrained(dtype=...)` loads a model: buffers such
+    as the rotary `inv_freq` stay float32 (in bf16 a rotary angle drifts ~0.7 rad by position 500).
     The engine's `sync_weights(policy)` refreshes it (a dtype-converting `load_state_dict`,
     ~0.1 s for 135M parameters); `make_rollout_func` calls it before every rollout batch.
     """
     import torch
 
-    copy = deepcopy(getattr(policy, "module", policy)).to(getattr(torch, dtype))
-    # TRL's fused LM head (`add_fused_lm_head`) sets an instance `forward` closing over the policy's
-    # own: the copy would decode with the float32 policy. The class forward is the plain one.
-    vars(copy).pop("forward", None)
+    copy = deepcopy(getattr(policy, "module", policy))
+    for parameter in copy.parameters():  # tied weights are one parameter: they stay tied
+        parameter.data = parameter.data.to(getattr(torch, dtype))
+    # TRL patches forwards with closures over the policy's own modules (`add_fused_lm_head` the
+    # model's, `cast_lm_head_to_fp32` the head's): the copy would decode with the float32 policy.
+    # The class forwards are the plain ones.
+    for module in copy.modules():
+        vars(module).pop("forward", None)
     copy.requires_grad_(False)
     return copy
 
