@@ -277,8 +277,8 @@ def runs_in_bf16(dtype: str) -> bool:
     """Whether `model.dtype` bfloat16 is honoured here: on a GPU, or on a CPU with native bf16
     matrix units (AMX / AVX512-BF16). There, training runs under bf16 autocast (weights stay
     float32), evaluation decodes in bf16 and GRPO rollouts decode a bf16 copy of the policy: a
-    SmolLM2-135M SFT update of 2 x 2 x 768 tokens took
-    8-11 s instead of 18 s, and 26 evaluation rollouts 36 s instead of 50 s. CPUs without them
+    SmolLM2-135M SFT update of 2 x 2 x 768 tokens took 8-11 s instead of 18 s, and 26 evaluation
+    rollouts 36 s instead of 50 s. CPUs without them
     would emulate bf16 slower than float32, so they stay in float32."""
     import torch
 

@@ -15,7 +15,7 @@ Which engine (`engine_for_trainer`):
   - "transformers": the trainer's live policy (`trainer.model`), no weight copy, exact
     structured attention for Unseen. With `decode_dtype` (bfloat16 on a CPU with bf16 units, see
     `grpo.decode_dtype_for`) it decodes a copy of the policy in that dtype instead, refreshed from
-    the policy before every rollout batch: SmolLM2-135M sampled 85 tokens/s from a bf16 copy and 49
+    the policy before every rollout batch: SmolLM2-135M sampled 80 tokens/s from a bf16 copy and 47
     from the float32 policy here. The trainer still scores every token with the float32 policy,
     as the paper's bf16 vLLM rollouts are scored by its trainer (no copy of a sharded policy).
     Under DeepSpeed ZeRO-3 the parameters are gathered around each rollout batch as TRL gathers
