@@ -48,6 +48,18 @@ def test_invalid_utf8_in_a_json_file_names_file_and_line(tmp_path):
         read_json(path)
 
 
+def test_a_model_json_file_corrupted_after_a_check_fails_the_next_check(tmp_path):
+    """check_json_files skips contents it has parsed before (by digest), never a file that changed."""
+    from parallel_r1.models import check_json_files
+
+    (tmp_path / "tokenizer.json").write_text('{"model": {"vocab": {"a": 0}}}')
+    check_json_files(tmp_path)
+    check_json_files(tmp_path)  # the same contents: recognised, still fine
+    (tmp_path / "tokenizer.json").write_text('{"model": {"vocab": {"a": 0}}')
+    with pytest.raises(PipelineError, match=r"tokenizer.json:1: not valid JSON"):
+        check_json_files(tmp_path)
+
+
 @pytest.mark.parametrize("damage", [lambda data: data[: len(data) // 2], lambda data: b"\0" * len(data)],
                          ids=["truncated", "garbled"])
 def test_corrupt_safetensors_stops_the_stage_in_one_line(workdir, capsys, damage):
