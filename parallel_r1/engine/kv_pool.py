@@ -202,6 +202,8 @@ class GrowingLayer(DynamicLayer):
     """
 
     SPARE = 64
+    keys: torch.Tensor | None  # DynamicLayer's, declared for mypy (which does not follow transformers)
+    values: torch.Tensor | None
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
