@@ -163,7 +163,7 @@ def packaged_gguf(package: str = SMOLLM2_PACKAGE) -> Path:
     return found[0]
 
 
-def _load_pretrained(source: str, dtype: str):
+def load_pretrained(source: str, dtype: str):
     """(model, tokenizer without tags) from a GGUF file, a local folder or a Hub id."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -193,13 +193,21 @@ def prepare_base_model(source: str, out_dir: str | os.PathLike, dtype: str = "bf
     if source == TINY:
         tokenizer = load_tokenizer(qwen3_tokenizer_dir())
         model = build_tiny_model(tokenizer, tiny)
-    else:
-        model, tokenizer = _load_pretrained(source, dtype)
-        add_parallel_tags(tokenizer)
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        init_tag_embeddings(model, tokenizer)
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        with atomic_path(out_dir, is_dir=True) as tmp:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        return Path(out_dir)
+    return write_base_model(*load_pretrained(source, dtype), out_dir)
+
+
+def write_base_model(model, tokenizer, out_dir: str | os.PathLike) -> Path:
+    """A pretrained model and its tokenizer (as `load_pretrained` gives them) with the six tags added
+    (embedding rows at their spelling's mean), written to `out_dir` atomically. Both are changed in place."""
+    add_parallel_tags(tokenizer)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    init_tag_embeddings(model, tokenizer)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
     with atomic_path(out_dir, is_dir=True) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

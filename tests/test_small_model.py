@@ -13,47 +13,50 @@ import pytest
 import torch
 
 from parallel_r1.format import PARALLEL_OPEN, TAGS
-from parallel_r1.models import SMOLLM2, load_model, packaged_gguf, prepare_base_model, tag_piece_ids
+from parallel_r1.models import (
+    SMOLLM2,
+    load_model,
+    load_pretrained,
+    packaged_gguf,
+    tag_piece_ids,
+    write_base_model,
+)
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def gguf_model():
-    """SmolLM2 straight from the GGUF, before any tag is added: (model, tokenizer)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = packaged_gguf()
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return model.eval(), tokenizer
+SENTENCE = "Natalia sold clips to 48 of her friends."
 
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("smollm2") / "base"
-    prepare_base_model(SMOLLM2, folder, dtype="float32")
-    model, tokenizer = load_model(folder)
-    return folder, model.eval(), tokenizer
-
-
-def test_conversion_keeps_the_logits(gguf_model, prepared):
-    original, original_tokenizer = gguf_model
-    folder, model, tokenizer = prepared
-    assert (folder / "model.safetensors").is_file() and not list(folder.glob("*.gguf"))
-    assert type(model).__name__ == "LlamaForCausalLM" and model.config.tie_word_embeddings
-    ids = original_tokenizer("Natalia sold clips to 48 of her friends.", return_tensors="pt")["input_ids"]
-    assert tokenizer("Natalia sold clips to 48 of her friends.", return_tensors="pt")["input_ids"].equal(ids)
+    """SmolLM2 read from the GGUF (once: ~20 s), its ids and logits on SENTENCE recorded before any tag is
+    added, then converted as `prepare_base_model` converts it: (folder, model, tokenizer, original)."""
+    original, original_tokenizer = load_pretrained(SMOLLM2, "float32")
+    ids = original_tokenizer(SENTENCE, return_tensors="pt")["input_ids"]
     with torch.no_grad():
-        before = original(input_ids=ids).logits
+        logits = original.eval()(input_ids=ids).logits
+    folder = write_base_model(original, original_tokenizer, tmp_path_factory.mktemp("smollm2") / "base")
+    model, tokenizer = load_model(folder)
+    return folder, model.eval(), tokenizer, {"ids": ids, "logits": logits}
+
+
+def test_conversion_keeps_the_logits(prepared):
+    folder, model, tokenizer, original = prepared
+    assert packaged_gguf().is_file() and (folder / "model.safetensors").is_file()
+    assert not list(folder.glob("*.gguf"))
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.tie_word_embeddings
+    ids = original["ids"]
+    assert tokenizer(SENTENCE, return_tensors="pt")["input_ids"].equal(ids)
+    with torch.no_grad():
         after = model(input_ids=ids).logits
-    vocab = before.shape[-1]
+    vocab = original["logits"].shape[-1]
     assert after.shape[-1] == vocab + len(TAGS)  # six new rows for the tags
-    torch.testing.assert_close(after[..., :vocab], before, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(after[..., :vocab], original["logits"], rtol=1e-4, atol=1e-4)
 
 
 def test_tags_are_single_special_tokens_through_the_chat_template(prepared):
-    _, _, tokenizer = prepared
+    _, _, tokenizer, _ = prepared
     ids = tokenizer.convert_tokens_to_ids(list(TAGS))
     assert len(set(ids)) == len(TAGS) and tokenizer.unk_token_id not in ids
     for tag, tag_id in zip(TAGS, ids):
@@ -68,7 +71,7 @@ def test_tags_are_single_special_tokens_through_the_chat_template(prepared):
 
 
 def test_tag_rows_start_at_their_spelling_mean(prepared):
-    _, model, tokenizer = prepared
+    _, model, tokenizer, _ = prepared
     weight = model.get_input_embeddings().weight
     for tag_id, pieces in zip(tokenizer.convert_tokens_to_ids(list(TAGS)), tag_piece_ids(tokenizer)):
         assert len(pieces) > 1 and tag_id not in pieces  # spelled with ordinary tokens, not itself
@@ -90,7 +93,7 @@ def _first_block_logprob(model, tokenizer, row: dict) -> float:
 def test_short_seeded_sft_raises_the_tag_probability_on_held_out_demos(prepared, mirror, tmp_path):
     from parallel_r1.training.sft import SFTOptions, train_sft
 
-    folder, model, tokenizer = prepared
+    folder, model, tokenizer, _ = prepared
     rows = [json.loads(line) for line in (mirror / "teacher_demos_gsm8k.jsonl").read_text().split("\n") if line]
     rows = [r for r in rows if PARALLEL_OPEN in r["completion"]]
     held_out = rows[-4:]
