@@ -24,15 +24,14 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.env
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
 
-# Test files, longest first (seconds of setup + calls under `make test` on the 2-core CI machine, measured
-# 2026-12-02: test_multiprocess 487, test_small_model 268, test_sft 218, ... test_dvc_deps 80; the rest
-# under 30). `make test` passes `--no-loadscope-reorder`, so pytest-xdist hands whole files to the workers
-# in this order: the long ones start first and the short ones fill in at the end, instead of xdist's
+# Test files, longest first (seconds of setup + calls under `make test` on a 2-core machine, measured
+# 2026-12-03: test_multiprocess 190, test_sft 119, test_flows 117, test_ui_browser 114, ... test_dvc_deps 45;
+# the rest under 25). `make test` passes `--no-loadscope-reorder`, so pytest-xdist hands whole files to the
+# workers in this order: the long ones start first and the short ones fill in at the end, instead of xdist's
 # default (files with the most tests first) leaving one worker alone on a long file at the end.
-LONGEST_FIRST = ("test_multiprocess", "test_small_model", "test_sft", "test_flows",
-                 "test_pipeline_foundation", "test_grpo", "test_evaluate_stage", "test_engine",
-                 "test_grpo_vllm", "test_ui_browser", "test_lockstep", "test_paper_path",
-                 "test_kv_forking", "test_checkpoints", "test_dvc_deps")
+LONGEST_FIRST = ("test_multiprocess", "test_sft", "test_flows", "test_ui_browser", "test_grpo_vllm", "test_grpo",
+                 "test_engine", "test_small_model", "test_pipeline_foundation", "test_paper_path",
+                 "test_kv_forking", "test_evaluate_stage", "test_checkpoints", "test_lockstep", "test_dvc_deps")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
