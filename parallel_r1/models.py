@@ -197,7 +197,8 @@ def prepare_base_model(source: str, out_dir: str | os.PathLike, dtype: str = "bf
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
         return Path(out_dir)
-    return write_base_model(*load_pretrained(source, dtype), out_dir)
+    model, tokenizer = load_pretrained(source, dtype)
+    return write_base_model(model, tokenizer, out_dir)
 
 
 def write_base_model(model, tokenizer, out_dir: str | os.PathLike) -> Path:
