@@ -192,11 +192,7 @@ def prepare_base_model(source: str, out_dir: str | os.PathLike, dtype: str = "bf
     """Write the base policy (model + tokenizer with tags) to `out_dir`, atomically."""
     if source == TINY:
         tokenizer = load_tokenizer(qwen3_tokenizer_dir())
-        model = build_tiny_model(tokenizer, tiny)
-        with atomic_path(out_dir, is_dir=True) as tmp:
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-        return Path(out_dir)
+        return _save(build_tiny_model(tokenizer, tiny), tokenizer, out_dir)
     model, tokenizer = load_pretrained(source, dtype)
     return write_base_model(model, tokenizer, out_dir)
 
@@ -209,6 +205,10 @@ def write_base_model(model, tokenizer, out_dir: str | os.PathLike) -> Path:
         tokenizer.pad_token = tokenizer.eos_token
     init_tag_embeddings(model, tokenizer)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return _save(model, tokenizer, out_dir)
+
+
+def _save(model, tokenizer, out_dir: str | os.PathLike) -> Path:
     with atomic_path(out_dir, is_dir=True) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -251,7 +251,7 @@ def check_json_files(folder: str | os.PathLike) -> None:
 
     A stage checks its model folders several times (before the work, then on each load), and the
     tokenizer.json of every copy of a model is the same ~11 MB (Qwen3): contents already parsed in
-    this process are recognised by their digest (~20 ms) instead of parsed again (~0.4 s).
+    this process are recognised by their digest (17 ms here) instead of parsed again (0.86 s).
     """
     for name in sorted(Path(folder).glob("*.json")):
         digest = hashlib.blake2b(name.read_bytes(), digest_size=16).digest() if name.is_file() else b""
