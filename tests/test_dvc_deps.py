@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -204,6 +205,23 @@ def params_restored(locked_repo):
 def runs(params: dict, **where: str) -> set[str]:
     return {f"rl@{run}" for run, entry in params["rl_runs"].items()
             if all(entry[key] in values.split("|") for key, values in where.items())}
+
+
+@pytest.mark.slow
+def test_bytecode_written_into_code_folders_leaves_every_stage_up_to_date(locked_repo):
+    """Python caches bytecode beside the sources it imports (unless PYTHONDONTWRITEBYTECODE is set); the
+    RL stages depend on the whole parallel_r1/engine folder, so .dvcignore keeps those caches out of it."""
+    caches = [locked_repo / "parallel_r1/engine/__pycache__", locked_repo / "stages/__pycache__"]
+    for folder in caches:
+        folder.mkdir()
+        (folder / "hf.cpython-311.pyc").write_bytes(b"\x00bytecode")
+    (locked_repo / "parallel_r1/engine/loop.pyc").write_bytes(b"\x00bytecode")  # compileall -b's legacy place
+    try:
+        assert stale_stages(locked_repo) == set()
+    finally:
+        for folder in caches:
+            shutil.rmtree(folder)
+        (locked_repo / "parallel_r1/engine/loop.pyc").unlink()
 
 
 @pytest.mark.slow
