@@ -16,16 +16,15 @@ export HF_HUB_DISABLE_TELEMETRY := 1
 export PREFECT_HOME := $(CURDIR)/.prefect
 export MLFLOW_TRACKING_URI ?= sqlite:///$(CURDIR)/mlflow.db
 # jemalloc, where the system has it (Debian/Ubuntu: `apt-get install libjemalloc2`; .ci/run installs it), as
-# every process's allocator, never returning freed memory to the kernel. With glibc's malloc each large tensor
-# (a 152k-vocabulary logits block is ~0.9 GB) is fresh mmap'd memory that the kernel zeroes page by page, and
-# freed at once; in this VM that is ~8 us a page fault. Measured on a 2-core machine (2026-12-03): the killed
-# Unseen SFT test 117 -> 44 s (system time 22.7 -> 4.0 s). Set JEMALLOC= to run on glibc's malloc.
+# the allocator of the pipeline, the tests, the benchmarks and the UI servers (not pip), keeping freed memory
+# instead of returning it to the kernel. With glibc's malloc each large tensor (a 152k-vocabulary logits
+# block is ~0.9 GB) is fresh mmap'd memory that the kernel zeroes page by page on every step. Measured on a
+# 2-core machine (2026-12-03): tests/test_sft.py + tests/test_grpo.py in one process 282 -> 152 s (system
+# time 71 -> 8 s). `make test JEMALLOC=` runs on glibc's malloc.
 JEMALLOC ?= $(firstword $(wildcard /usr/lib/x86_64-linux-gnu/libjemalloc.so.2 /usr/lib/aarch64-linux-gnu/libjemalloc.so.2 \
                                    /usr/lib64/libjemalloc.so.2 /usr/lib/libjemalloc.so.2))
-ifneq ($(JEMALLOC),)
-export LD_PRELOAD := $(strip $(JEMALLOC) $(LD_PRELOAD))
-export MALLOC_CONF ?= oversize_threshold:0,dirty_decay_ms:-1,muzzy_decay_ms:-1
-endif
+MALLOC_CONF ?= oversize_threshold:0,dirty_decay_ms:-1,muzzy_decay_ms:-1
+WITH_ALLOCATOR := $(if $(JEMALLOC),LD_PRELOAD="$(strip $(JEMALLOC) $(LD_PRELOAD))" MALLOC_CONF="$(MALLOC_CONF)")
 PYTEST_ARGS ?=
 # Test files are spread over this many pytest-xdist workers (0: one process); a file stays on one worker,
 # so its module fixtures are built once. tests/conftest.py gives each worker its share of the cores and
@@ -58,10 +57,10 @@ $(VENV)/.installed: pyproject.toml requirements/cpu.lock requirements/models.txt
 	touch $@
 
 run: setup
-	$(BIN)/python -m flows.make_run
+	$(WITH_ALLOCATOR) $(BIN)/python -m flows.make_run
 
 test: setup
-	$(BIN)/python -m pytest $(XDIST) --durations=20 $(PYTEST_ARGS)
+	$(WITH_ALLOCATOR) $(BIN)/python -m pytest $(XDIST) --durations=20 $(PYTEST_ARGS)
 
 # Settings in pyproject.toml ([tool.ruff], [tool.mypy]); CI (.ci/run) runs this before the tests.
 lint: setup
@@ -69,17 +68,17 @@ lint: setup
 	$(BIN)/mypy
 
 test-fast: setup
-	$(BIN)/python -m pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)
+	$(WITH_ALLOCATOR) $(BIN)/python -m pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 bench: setup
-	$(BIN)/python benchmarks/structured_attention.py
-	$(BIN)/python benchmarks/rollout_throughput.py
-	$(BIN)/python benchmarks/rl_step.py
-	$(BIN)/python benchmarks/kv_forking.py
-	$(BIN)/python benchmarks/decode_kernels.py
+	$(WITH_ALLOCATOR) $(BIN)/python benchmarks/structured_attention.py
+	$(WITH_ALLOCATOR) $(BIN)/python benchmarks/rollout_throughput.py
+	$(WITH_ALLOCATOR) $(BIN)/python benchmarks/rl_step.py
+	$(WITH_ALLOCATOR) $(BIN)/python benchmarks/kv_forking.py
+	$(WITH_ALLOCATOR) $(BIN)/python benchmarks/decode_kernels.py
 
 ui: setup
-	$(BIN)/python -m flows.ui
+	$(WITH_ALLOCATOR) $(BIN)/python -m flows.ui
 
 clean:
 	rm -rf .pytest_cache .hypothesis
