@@ -1,4 +1,4 @@
-# Two commands on a fresh machine:  `make run` (set up + the whole tiny pipeline)
+# Two commands on a fresh machine:  `make run` (set up + the whole pipeline on the default profile)
 # and `make test` (set up + the test suite). Everything installs into .venv.
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -37,7 +37,8 @@ XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 .PHONY: setup run test test-fast lint bench ui clean help
 
 help:
-	@echo "make run    - set up .venv and run the whole pipeline (dvc repro) on the active profile"
+	@echo "make run    - set up .venv and run the whole pipeline (dvc repro) on params.yaml's profile"
+	@echo "              (PROFILE=small|tiny|paper composes that profile into params.yaml first)"
 	@echo "make test   - set up .venv and run the test suite"
 	@echo "make lint   - ruff (pyflakes, bugbear, simplify, isort, lines <= 110) and mypy, as CI runs them"
 	@echo "make ui     - Prefect + MLflow servers on 127.0.0.1 with the deployments served"
@@ -56,7 +57,11 @@ $(VENV)/.installed: pyproject.toml requirements/cpu.lock requirements/models.txt
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $@
 
+# `make run PROFILE=paper` composes that profile into params.yaml first (stages/profiles.py; it refuses to
+# drop hand edits of params.yaml); without PROFILE, params.yaml runs as it is.
+PROFILE ?=
 run: setup
+	$(if $(PROFILE),$(BIN)/python -m stages.profiles $(PROFILE))
 	$(WITH_ALLOCATOR) $(BIN)/python -m flows.make_run
 
 test: setup

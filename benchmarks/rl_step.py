@@ -35,12 +35,12 @@ from rollout_throughput import GSM8K_TEST, fork_prone_model  # noqa: E402
 
 from parallel_r1.rewards import RewardConfig  # noqa: E402
 from parallel_r1.training.grpo import train_rl  # noqa: E402
-from stages.common import load_params  # noqa: E402
+from stages.profiles import compose  # noqa: E402
 from stages.rl import rl_options  # noqa: E402
 
 
 def run_split(variant: str, folder: str, rows: list[dict], args) -> dict:
-    params = load_params(ROOT / "params.yaml", profile="tiny")
+    params = compose(ROOT, "tiny")
     params["rl"] = {**params["rl"], "max_completion_tokens": args.max_tokens, "engine": args.engine,
                     "save_steps": args.steps + 1, "lr": 1.0e-4}
     params["rl_datasets"] = {"gsm8k": {"batch_size": args.prompts, "mini_batch_size": args.prompts,

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from flows.dvc_runner import run_dvc
 from parallel_r1 import tracking
+from stages import profiles
 from stages.common import load_params, stage_main
 
 FLOW_TAG = "make-run"
@@ -25,6 +26,10 @@ FLOW_TAG = "make-run"
 def make_run(args: list[str], root: Path) -> None:
     """`dvc repro <args>` in `root`, its stage runs nested under one MLflow run."""
     params = load_params(root / "params.yaml")
+    edited = profiles.edits(root)
+    if edited:  # kept, as DVC would; said, so a result is never silently from a hand-edited profile
+        print(f"note: params.yaml differs from conf/profile/{params['profile']}.yaml at {', '.join(edited[:3])}"
+              f"{' ...' if len(edited) > 3 else ''}; running with params.yaml as it is", flush=True)
     targets = [arg for arg in args if not arg.startswith("-")]
     tags = {"flow": FLOW_TAG, tracking.TAG_PROFILE: params["profile"]}
     run_params = {"tracking": params.get("tracking") or {}, "dvc_repro_args": args}

@@ -1,7 +1,7 @@
 """Prefect flow `reproduce`: `dvc repro <targets>`, one Prefect task per DVC stage.
 
     python -m flows.reproduce reports/table1.md            # ephemeral Prefect, local MLflow
-    python -m flows.reproduce --profile paper --force      # every stage, paper settings
+    python -m flows.reproduce --profile paper --force      # params.yaml <- the paper profile, every stage
 
 The stage list and order are DVC's own (`plan_stages`), so the Prefect UI shows each stage's
 state, log and duration. Each task runs `dvc repro --single-item <stage>` — one at a time, since
@@ -23,6 +23,7 @@ from prefect.runtime import flow_run
 from flows.dvc_runner import DvcCommandError, TransientDvcError, plan_stages, run_dvc
 from parallel_r1 import tracking
 from stages.common import load_params
+from stages.profiles import switch as switch_profile
 
 PARAMS_FILE = "params.yaml"
 
@@ -45,25 +46,18 @@ def repro_stage(stage: str, force: bool, parent_run_id: str | None, root: str) -
     return "up to date" if any("didn't change, skipping" in line for line in lines) else "ran"
 
 
-def set_profile(root: Path, profile: str) -> None:
-    """Write `profile` into params.yaml (comments kept), as `dvc exp run -S profile=...` would."""
-    from dvc.utils.hydra import apply_overrides
-
-    load_params(root / PARAMS_FILE, profile=profile)  # one-line error for an unknown profile
-    apply_overrides(root / PARAMS_FILE, [f"profile={profile}"])
-
-
 @flow(name="reproduce")
 def reproduce(targets: list[str] = [], profile: str | None = None, force: bool = False) -> dict[str, str]:  # noqa: B006
     """Reproduce DVC `targets` (stages or outputs; none = everything) stage by stage.
 
-    profile: tiny | paper — written into params.yaml first when given (the outputs then match it).
+    profile: small | tiny | paper — composed into params.yaml first when given (`stages.profiles`; refused
+        when params.yaml holds hand edits), so the outputs match it.
     force: rerun every planned stage even when up to date.
     Returns {stage: "ran" | "up to date"} in the order the stages ran.
     """
     root = Path.cwd()
     if profile:
-        set_profile(root, profile)
+        switch_profile(root, profile)
     params = load_params(root / PARAMS_FILE)
     stages = plan_stages(targets, root)
     get_run_logger().info("plan (%s): %s", params["profile"], ", ".join(stages))
@@ -80,7 +74,7 @@ def reproduce(targets: list[str] = [], profile: str | None = None, force: bool =
 def main() -> None:
     parser = argparse.ArgumentParser(description="dvc repro as a Prefect flow, one task per stage")
     parser.add_argument("targets", nargs="*", help="DVC stages or outputs (default: all)")
-    parser.add_argument("--profile", help="tiny | paper (written into params.yaml)")
+    parser.add_argument("--profile", help="small | tiny | paper (composed into params.yaml first)")
     parser.add_argument("--force", action="store_true", help="rerun stages that are up to date")
     args = parser.parse_args()
     reproduce(targets=args.targets, profile=args.profile, force=args.force)

@@ -1,13 +1,11 @@
-"""Plumbing shared by the stage CLIs: params.yaml with its profile, and one-line failures.
+"""Plumbing shared by the stage CLIs: params.yaml, and one-line failures.
 
-params.yaml holds the paper's values at the top level and, under `profiles.<name>`,
-overrides for each profile (the tiny profile only shrinks sizes). `load_params` returns
-the merged view for the chosen profile, so a stage never looks at `profiles` itself.
+params.yaml holds the active profile's values, composed from conf/ (stages/profiles.py); a stage reads
+it as it is, the same values DVC tracks.
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import logging
 import os
@@ -24,30 +22,15 @@ PARAMS_FILE = Path(os.environ.get("PARALLEL_R1_PARAMS", "params.yaml"))
 log = logging.getLogger("stages")  # every stage's progress lines; set up once by `stage_main`
 
 
-def deep_merge(base: dict, override: dict) -> dict:
-    """`base` with `override` laid over it, recursing into nested mappings."""
-    merged = copy.deepcopy(base)
-    for key, value in (override or {}).items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = deep_merge(merged[key], value)
-        else:
-            merged[key] = copy.deepcopy(value)
-    return merged
-
-
-def load_params(path: str | os.PathLike = PARAMS_FILE, profile: str | None = None) -> dict[str, Any]:
-    """The parameters of the active profile (or of `profile`), profiles merged in."""
+def load_params(path: str | os.PathLike = PARAMS_FILE) -> dict[str, Any]:
+    """params.yaml as the stages read it: the active profile's values, a relative mirror anchored at the
+    project root."""
     path = Path(path)
     if not path.is_file():
         raise PipelineError(f"{path}: file not found (run from the project root)")
-    raw = read_params_yaml(path)
-    profiles = raw.pop("profiles", {}) or {}
-    profile = profile or raw.get("profile")
-    if profile not in profiles:
-        raise PipelineError(f"{path} profile: unknown profile {profile!r} "
-                            f"(choose from {', '.join(profiles)})")
-    params = deep_merge(raw, profiles[profile] or {})
-    params["profile"] = profile
+    params = read_params_yaml(path)
+    if not isinstance(params.get("profile"), str):
+        raise PipelineError(f"{path}: no `profile` name (compose it: python -m stages.profiles <profile>)")
     _anchor_mirror(params)
     return params
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -64,13 +65,15 @@ def tags(tokenizer):
 def copy_repo(destination: Path, mirror_dir: Path | None = None, profile: str = "tiny") -> Path:
     """A runnable copy of this checkout (tracked + untracked-not-ignored files) as a fresh git repo.
 
-    DVC needs a git work tree, so the copy is committed once; `data.mirror_dir` is pointed
-    at the absolute mirror path because the copy does not sit beside `shared/`; `profile` is
-    made the active one.
+    DVC needs a git work tree, so the copy is committed once; `data.mirror_dir` is pointed at the
+    absolute mirror path in every profile because the copy does not sit beside `shared/`; `profile`
+    is made the default of conf/config.yaml and composed into params.yaml, so the copy's `dvc repro`
+    and its `dvc exp run -S ...` (which composes from conf/) both run it.
     """
-    import re
     import shutil
     import subprocess
+
+    from stages.profiles import write_params
 
     files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
                            cwd=REPO, check=True, capture_output=True, text=True).stdout.split("\0")
@@ -80,17 +83,34 @@ def copy_repo(destination: Path, mirror_dir: Path | None = None, profile: str = 
             target = destination / name
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, target)
-    params = destination / "params.yaml"
-    text = params.read_text()
     if mirror_dir is not None:
-        text = text.replace("mirror_dir: ../shared/data", f"mirror_dir: {mirror_dir}")
-    # Tests run the pipeline on the random-init tiny model: seconds per stage, not the default's minutes.
-    params.write_text(re.sub(r"^profile: \w+", f"profile: {profile}", text, count=1, flags=re.M))
+        for profile_file in (destination / "conf" / "profile").glob("*.yaml"):
+            text = profile_file.read_text()
+            profile_file.write_text(text.replace("mirror_dir: ../shared/data", f"mirror_dir: {mirror_dir}"))
+    config = destination / "conf" / "config.yaml"
+    config.write_text(re.sub(r"^  - profile: \w+", f"  - profile: {profile}", config.read_text(), count=1,
+                             flags=re.M))
+    write_params(destination, profile)
     git = ["git", "-c", "user.name=test", "-c", "user.email=test@localhost"]
     subprocess.run(["git", "init", "-q"], cwd=destination, check=True)
     subprocess.run(["git", "add", "-A"], cwd=destination, check=True)
     subprocess.run([*git, "commit", "-qm", "copy"], cwd=destination, check=True)
     return destination
+
+
+def write_profile_params(root: Path, profile: str = "tiny", mirror_dir: Path | None = None) -> Path:
+    """root/params.yaml holding this checkout's `profile`, as `stages.profiles` composes it (a project folder
+    for stage tests that need no DVC); `mirror_dir` replaces the relative mirror."""
+    import yaml
+
+    from stages.profiles import compose
+
+    params = compose(REPO, profile)
+    if mirror_dir is not None:
+        params["data"]["mirror_dir"] = str(mirror_dir)
+    path = root / "params.yaml"
+    path.write_text(yaml.safe_dump(params, sort_keys=False))
+    return path
 
 
 def set_param(params_file: Path, dotted: str, value: str) -> None:

@@ -13,6 +13,7 @@ import yaml
 from conftest import copy_repo
 from parallel_r1.data import SOURCES, TEACHER_DEMOS, mirror_files
 from stages.common import link_mirror_for_temp_experiments, load_params
+from stages.profiles import compose, profile_names
 from stages.sft import PROBE_SET
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,9 +46,8 @@ def files_read(params: dict) -> dict[str, set[str]]:
 def test_stages_depend_on_exactly_the_mirror_files_they_read():
     declared = mirror_deps()
     expected: dict[str, set[str]] = {}
-    profiles = yaml.safe_load((REPO / "params.yaml").read_text())["profiles"]
-    for profile in profiles:   # DVC cannot switch deps per profile: the union over all of them
-        for stage, files in files_read(load_params(REPO / "params.yaml", profile)).items():
+    for profile in profile_names(REPO):   # DVC cannot switch deps per profile: the union over all of them
+        for stage, files in files_read(compose(REPO, profile)).items():
             expected.setdefault(stage, set()).update(files)
     assert {stage: files for stage, files in declared.items() if files} == expected
 

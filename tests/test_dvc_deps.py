@@ -166,25 +166,28 @@ def stale_stages(repo: Path) -> set[str]:
     return set(json.loads(result.stdout or "{}"))
 
 
-def edit_params(repo: Path, old: str, new: str) -> None:
-    """One text edit of the copy's params.yaml (keeps its YAML anchors, which a YAML round trip expands)."""
-    params_file = repo / "params.yaml"
-    text = params_file.read_text()
+def edit_profile(repo: Path, old: str, new: str) -> None:
+    """One text edit of the copy's conf/profile/tiny.yaml, composed into params.yaml as a user would."""
+    from stages.profiles import switch
+
+    profile_file = repo / "conf" / "profile" / "tiny.yaml"
+    text = profile_file.read_text()
     assert text.count(old) == 1, old
-    params_file.write_text(text.replace(old, new))
+    profile_file.write_text(text.replace(old, new))
+    switch(repo, "tiny", force=True)
 
 
 def test_each_reward_schedule_has_its_own_knobs_in_every_profile():
     from parallel_r1.rewards import REWARDS, SCHEDULE_KNOBS, SHARED_KNOBS
+    from stages.profiles import compose, profile_names
 
-    params = yaml.safe_load((REPO / "params.yaml").read_text())
-    assert set(params["rewards"]) == set(SHARED_KNOBS)
-    assert {name: set(knobs) for name, knobs in params["reward_schedules"].items()} == \
-        {name: set(SCHEDULE_KNOBS[name]) for name in REWARDS}
-    for name, profile in params["profiles"].items():  # DVC needs every key a stage can name, in every profile
-        assert set(profile["reward_schedules"]) == set(REWARDS), name
-        assert set(profile["rl_datasets"]) == set(params["rl_datasets"]), name
-        assert set(profile["generate_datasets"]) == set(params["generate_datasets"]), name
+    for name in profile_names(REPO):  # DVC needs every key a stage can name, in every profile
+        params = compose(REPO, name)
+        assert set(params["rewards"]) == set(SHARED_KNOBS), name
+        assert {schedule: set(knobs) for schedule, knobs in params["reward_schedules"].items()} == \
+            {schedule: set(SCHEDULE_KNOBS[schedule]) for schedule in REWARDS}, name
+        assert set(params["rl_datasets"]) == {"gsm8k", "dapo"}, name
+        assert set(params["generate_datasets"]) == {"gsm8k", "dapo"}, name
 
 
 @pytest.fixture(scope="module")
@@ -197,9 +200,11 @@ def locked_repo(tmp_path_factory, mirror):
 
 @pytest.fixture
 def params_restored(locked_repo):
-    original = (locked_repo / "params.yaml").read_text()
-    yield yaml.safe_load(original)
-    (locked_repo / "params.yaml").write_text(original)
+    files = [locked_repo / "params.yaml", locked_repo / "conf" / "profile" / "tiny.yaml"]
+    originals = [path.read_text() for path in files]
+    yield yaml.safe_load(originals[0])
+    for path, text in zip(files, originals):
+        path.write_text(text)
 
 
 def runs(params: dict, **where: str) -> set[str]:
@@ -226,18 +231,18 @@ def test_bytecode_written_into_code_folders_leaves_every_stage_up_to_date(locked
 
 @pytest.mark.slow
 def test_an_s2_knob_makes_only_the_s2_and_scaffold_runs_stale(locked_repo, params_restored):
-    # the active (tiny) profile's S2 window; the scaffold run takes S2's knobs through the YAML merge
-    edit_params(locked_repo, "alternating: &TINY_S2 {window: 2,", "alternating: &TINY_S2 {window: 3,")
+    # the tiny profile's S2 window; the scaffold run takes S2's knobs through the YAML merge in conf/
+    edit_profile(locked_repo, "alternating: &s2\n    <<: *tiered\n    window: 2",
+                 "alternating: &s2\n    <<: *tiered\n    window: 3")
     expected = runs(params_restored, reward="alternating|scaffold")
     assert expected == {"rl@parallel_r1_unseen_s2", "rl@scaffold"}
-    # scaffold_curve reads the profile's scaffold entry for switch_step (the paper profile's entry is
-    # empty, so DVC can only name the entry); it also reads models/scaffold, so it reruns anyway.
-    assert stale_stages(locked_repo) == expected | {"scaffold_curve"}
+    # scaffold_curve reads the switch step only (it reruns after rl@scaffold, through models/scaffold)
+    assert stale_stages(locked_repo) == expected
 
 
 @pytest.mark.slow
 def test_a_dataset_step_count_makes_only_that_datasets_runs_stale(locked_repo, params_restored):
-    set_param(locked_repo / "params.yaml", "profiles.tiny.rl_datasets.gsm8k.max_steps", "5")
+    set_param(locked_repo / "params.yaml", "rl_datasets.gsm8k.max_steps", "5")
     assert stale_stages(locked_repo) == runs(params_restored, dataset="gsm8k")
 
 
@@ -250,22 +255,22 @@ def test_an_evaluation_k_makes_only_evaluations_stale(locked_repo, params_restor
 
 @pytest.mark.slow
 def test_one_sft_variants_step_count_makes_only_that_variant_stale(locked_repo, params_restored):
-    set_param(locked_repo / "params.yaml", "profiles.tiny.sft_variants.unseen.max_steps", "5")
+    set_param(locked_repo / "params.yaml", "sft_variants.unseen.max_steps", "5")
     assert stale_stages(locked_repo) == {"sft@unseen"}
 
 
 @pytest.mark.slow
 def test_an_rl_rollout_setting_retrains_the_runs_but_does_not_touch_the_evaluations(locked_repo, params_restored):
-    # evaluate reads its own num_paths / max_blocks (anchored to rl's), not the rl section
-    set_param(locked_repo / "params.yaml", "profiles.tiny.rl.max_completion_tokens", "40")
+    # evaluate reads its own num_paths / max_blocks (interpolated from rl's in conf/), not the rl section
+    set_param(locked_repo / "params.yaml", "rl.max_completion_tokens", "40")
     assert stale_stages(locked_repo) == runs(params_restored)
 
 
 def test_an_rl_run_reads_only_its_schedules_knobs():
-    from stages.common import load_params
+    from stages.profiles import compose
     from stages.rl import reward_config
 
-    params = load_params(REPO / "params.yaml", profile="paper")
+    params = compose(REPO, "paper")
     assert reward_config(params, "alternating").window == 10
     assert reward_config(params, "scaffold").switch_step == 200
     params["reward_schedules"]["accuracy"] = {"window": 3}   # accuracy never reads a window
@@ -296,6 +301,6 @@ def test_evaluation_takes_the_rollout_mode_from_the_model_folder(tmp_path, monke
 
 @pytest.mark.slow
 def test_a_teacher_set_limit_makes_only_that_sets_generation_stale(locked_repo, params_restored):
-    set_param(locked_repo / "params.yaml", "profiles.tiny.generate_datasets.dapo.limit", "4")
+    set_param(locked_repo / "params.yaml", "generate_datasets.dapo.limit", "4")
     # filter reads every set's entry (names, sources); it also reads data/teacher/dapo.jsonl, so it reruns anyway
     assert stale_stages(locked_repo) == {"generate@dapo", "filter"}

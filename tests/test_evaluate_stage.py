@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from conftest import set_param, write_profile_params
 from parallel_r1.models import TinyModelConfig, prepare_base_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -21,9 +21,8 @@ BENCHMARKS = ("aime24", "aime25", "amc23", "math")
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory, mirror):
     root = tmp_path_factory.mktemp("evaluate")
-    params = (REPO / "params.yaml").read_text().replace("mirror_dir: ../shared/data", f"mirror_dir: {mirror}")
-    params = re.sub(r"^profile: \w+", "profile: tiny", params, count=1, flags=re.M)  # the fast random-init model
-    (root / "params.yaml").write_text(params.replace("      max_tokens: 64\n      benchmarks:", "      max_tokens: 24\n      benchmarks:"))
+    params = write_profile_params(root, "tiny", mirror)  # the fast random-init model
+    set_param(params, "evaluate.max_tokens", "24")
     prepare_base_model("tiny", root / "models" / "base", tiny=SMALL)
     return root
 
@@ -315,8 +314,7 @@ def test_unseen_models_are_evaluated_with_evaluate_unseen_engine(inside, monkeyp
             shutil.rmtree(inside / "models" / name, ignore_errors=True)
             shutil.copytree(inside / "models/base", inside / "models" / name)
         for setting in ("vllm", "same"):
-            params.write_text(text.replace("  unseen_engine: same          # Unseen models",
-                                           f"  unseen_engine: {setting}          # Unseen models"))
+            set_param(params, "evaluate.unseen_engine", setting)
             for name in models:
                 with pytest.raises(Started):
                     stage.main([name])
@@ -329,7 +327,7 @@ def test_unseen_models_are_evaluated_with_evaluate_unseen_engine(inside, monkeyp
 
 def test_evaluate_max_batch_size_reaches_the_engine(inside, monkeypatch):
     """evaluate.max_batch_size (rows the transformers engine decodes together) is what the engine gets:
-    the tiny profile keeps the top level's 16; a profile may raise it (small: 64)."""
+    the tiny profile's 16; a profile may raise it (small: 64)."""
     import stages.evaluate as stage
 
     class Started(Exception):
@@ -347,7 +345,7 @@ def test_evaluate_max_batch_size_reaches_the_engine(inside, monkeypatch):
     try:
         for size in (None, 5):
             if size is not None:
-                params.write_text(text.replace("  max_batch_size: 16  ", f"  max_batch_size: {size}  ", 1))
+                set_param(params, "evaluate.max_batch_size", str(size))
             with pytest.raises(Started):
                 stage.main(["base"])
     finally:

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 from conftest import copy_repo, set_param, teacher_row, write_teacher
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,8 +64,7 @@ def test_bad_dataset_entry_names_its_param_path_before_any_dataset_is_read(workd
     from stages.prepare_data import main
 
     tmp_path = workdir
-    profile = yaml.safe_load((tmp_path / "params.yaml").read_text())["profile"]
-    set_param(tmp_path / "params.yaml", f"profiles.{profile}.data.eval.math.limit", "-2")
+    set_param(tmp_path / "params.yaml", "data.eval.math.limit", "-2")
     monkeypatch.setenv("PARALLEL_R1_DATA", str(tmp_path / "no-mirror"))   # reading anything would fail
     with pytest.raises(SystemExit):
         main()

@@ -34,9 +34,10 @@ from prefect.states import Failed
 from flows import ui
 from flows.dvc_runner import (DvcCommandError, TransientDvcError, error_from_output, experiment_metrics,
                               plan_stages)
-from flows.reproduce import reproduce, retry_only_transient, set_profile
+from flows.reproduce import reproduce, retry_only_transient
 from flows.sweep import TABLE_KEY, plan_sweep, sweep
 from parallel_r1.errors import PipelineError
+from stages.profiles import write_params
 
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 300
@@ -83,8 +84,10 @@ def project(tmp_path_factory, mirror) -> Path:
             (root / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / name, root / name)
     (root / "dvc.yaml").write_text("stages:\n" + stage_block((REPO / "dvc.yaml").read_text(), "prepare_data"))
-    params = (root / "params.yaml").read_text()
-    (root / "params.yaml").write_text(re.sub(r"(?m)^(\s+mirror_dir:)\s*\S+", rf"\1 {mirror}", params, count=1))
+    for profile_file in (root / "conf" / "profile").glob("*.yaml"):  # `dvc exp run -S` composes from conf/
+        text = profile_file.read_text()
+        profile_file.write_text(re.sub(r"(?m)^(\s+mirror_dir:)\s*\S+", rf"\1 {mirror}", text, count=1))
+    write_params(root)
     git_commit_all(root)
     return root
 
@@ -113,7 +116,7 @@ def toy(tmp_path_factory) -> Path:
                           " file=sys.stderr); sys.exit(1)\""},
     }
     (root / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
-    (root / "params.yaml").write_text("profile: tiny\nx: 0\ntracking: {experiment: toy}\nprofiles: {tiny: {}}\n")
+    (root / "params.yaml").write_text("profile: tiny\nx: 0\ntracking: {experiment: toy}\n")
     git_commit_all(root)
     dvc("init", "-q", cwd=root)
     return root
@@ -194,18 +197,6 @@ def test_sweep_plan_sets_reward_seed_and_profile_params_per_combination():
                                                              ("profile=paper", "data.eval.aime24.limit=2")]
     with pytest.raises(PipelineError, match="reward_schedules need configurations"):
         plan_sweep([], ["accuracy"], [], "tiny", "prepare_data", {}, "sw")
-
-
-def test_profile_is_written_into_params_yaml_keeping_comments(tmp_path):
-    shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
-    set_profile(tmp_path, "paper")
-    text = (tmp_path / "params.yaml").read_text()
-    original = (REPO / "params.yaml").read_text().splitlines()
-    comments = [line.strip() for line in original if line.strip().startswith("#")]
-    assert yaml.safe_load(text)["profile"] == "paper"
-    assert comments and all(comment in text for comment in comments)
-    with pytest.raises(PipelineError, match="unknown profile 'huge'"):
-        set_profile(tmp_path, "huge")
 
 
 def test_experiment_metrics_are_read_from_dvc_exp_show():

@@ -10,7 +10,6 @@ advantages, structured log-probs, the update, checkpoints -- is the real code pa
 from __future__ import annotations
 
 import dataclasses
-import re
 import shutil
 from dataclasses import astuple
 from pathlib import Path
@@ -21,6 +20,7 @@ import yaml
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
+from conftest import write_profile_params
 from parallel_r1.engine import vllm_available
 from parallel_r1.errors import PipelineError
 from parallel_r1.io import read_json, write_jsonl
@@ -461,8 +461,7 @@ def test_killed_run_resumes_from_its_last_checkpoint_with_the_uninterrupted_hist
 
 def stage_project(root: Path, with_model: Path | None = None) -> None:
     """A project folder with the repository's params.yaml and prompt sets (and an init model)."""
-    text = (REPO / "params.yaml").read_text()  # on the fast random-init profile
-    (root / "params.yaml").write_text(re.sub(r"^profile: \w+", "profile: tiny", text, count=1, flags=re.M))
+    write_profile_params(root, "tiny")  # on the fast random-init profile
     for name in ("gsm8k", "dapo"):
         write_jsonl(root / f"data/rl/{name}.jsonl", PROBLEMS)
     if with_model is not None:
@@ -508,10 +507,10 @@ def nudge_one_weight(folder: Path) -> None:
 
 def test_a_runs_memo_key_ignores_its_names_but_not_what_it_trains_on(init_dir, tmp_path):
     from parallel_r1.training import run_memo
-    from stages.common import load_params
+    from stages.profiles import compose
     from stages.rl import reward_config, rl_options
 
-    params = load_params(REPO / "params.yaml", profile="tiny")
+    params = compose(REPO, "tiny")
 
     def key(run: str, rows=PROBLEMS, init: Path = init_dir, **changes) -> str | None:
         chosen = dataclasses.replace(rl_options(params, run), **changes)
@@ -537,8 +536,8 @@ def test_stage_writes_model_steps_and_summary_and_an_equal_run_reuses_them(
 
     stage_project(tmp_path, with_model=init_dir)
     params = yaml.safe_load((tmp_path / "params.yaml").read_text())
-    params["profiles"]["tiny"]["rl"].update({"max_completion_tokens": 8, "save_steps": 5})
-    params["profiles"]["tiny"]["rl_datasets"]["dapo"].update({"batch_size": 1, "num_generations": 2, "max_steps": 1})
+    params["rl"].update({"max_completion_tokens": 8, "save_steps": 5})
+    params["rl_datasets"]["dapo"].update({"batch_size": 1, "num_generations": 2, "max_steps": 1})
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     shutil.copytree(init_dir, tmp_path / "models/grpo_gsm8k")  # a GRPO on GSM8K that moved no weight
     monkeypatch.chdir(tmp_path)

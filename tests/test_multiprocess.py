@@ -78,9 +78,10 @@ def mlflow_runs(root: Path) -> list:
 @pytest.fixture
 def project(tmp_path, init_dir) -> Path:  # noqa: F811  (the imported fixture)
     """The repository's params on the tiny profile, shrunk to 4 completions per step, and tiny models."""
-    params = yaml.safe_load((REPO / "params.yaml").read_text())
-    params["profile"] = "tiny"
-    tiny = params["profiles"]["tiny"]
+    from stages.profiles import compose
+
+    params = compose(REPO, "tiny")
+    tiny = params
     tiny["rl"].update({"max_completion_tokens": 24, "per_device_batch_size": 2, "save_steps": 1})
     for dataset in ("gsm8k", "dapo"):  # 1 prompt x 4 rollouts per step: each process gets 2 of the group
         tiny["rl_datasets"][dataset] = {"batch_size": 1, "mini_batch_size": 1, "num_generations": 4,
@@ -116,7 +117,7 @@ def test_seen_grpo_on_two_processes(project):
 def test_killed_two_process_grpo_resumes_from_its_last_checkpoint(project):
     run = "parallel_r1_unseen_parallel_only"
     params = yaml.safe_load((project / "params.yaml").read_text())
-    params["profiles"]["tiny"]["rl_datasets"]["dapo"]["max_steps"] = 4
+    params["rl_datasets"]["dapo"]["max_steps"] = 4
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     checkpoints = project / "checkpoints/rl" / run
     process = subprocess.Popen(launch_command("stages.rl", run), cwd=project, env=launch_env(project),
@@ -142,8 +143,8 @@ def test_unseen_sft_on_two_processes(project, mirror):
     same two-process path (accumulation over both ranks, rank 0's outputs) and are tested on one."""
     variant = "unseen"
     params = yaml.safe_load((project / "params.yaml").read_text())
-    params["profiles"]["tiny"]["sft"] = {**SFT_PARAMS, "batch_size": 2, "per_device_batch_size": 1}
-    params["profiles"]["tiny"]["sft_variants"] = {"seen": {"max_steps": 2}, "unseen": {"max_steps": 2}}
+    params["sft"] = {**SFT_PARAMS, "batch_size": 2, "per_device_batch_size": 1}
+    params["sft_variants"] = {"seen": {"max_steps": 2}, "unseen": {"max_steps": 2}}
     params["data"]["mirror_dir"] = str(mirror)
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     rows = [row for row in load_teacher_demos(mirror, limit=40) if check_format(row["completion"])][:4]

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from transformers import TrainerCallback
 
 from parallel_r1.engine import resolve_engine, vllm_available
@@ -22,7 +21,7 @@ from parallel_r1.models import load_model
 from parallel_r1.rewards import build_reward
 from parallel_r1.training.grpo import RLOptions, batch_layout, grpo_config, rl_dataset, rollout_function_for
 from parallel_r1.training.grpo_trainer import ParallelGRPOTrainer, step_records
-from stages.common import load_params
+from stages.profiles import compose, profile_names
 from stages.rl import rl_options
 from test_grpo import PROBLEMS, RL, ForkSomeRollouts, init_dir, options  # noqa: F401  (init_dir: fixture)
 
@@ -44,12 +43,12 @@ def trainer_with(opts: RLOptions, init_dir: Path, tmp_path: Path, tokenizer, cal
 # ---------------------------------------------------------------------------------- 1. importance sampling
 
 
-PROFILES = sorted(yaml.safe_load((REPO / "params.yaml").read_text(encoding="utf-8"))["profiles"])
+PROFILES = profile_names(REPO)
 
 
 @pytest.mark.parametrize("profile", PROFILES)
 def test_vllm_importance_sampling_correction_is_off_in_every_profile(profile, tmp_path):
-    params = load_params(REPO / "params.yaml", profile)
+    params = compose(REPO, profile)
     assert params["rl"]["vllm_importance_sampling_correction"] is False
     on_vllm = {**params, "rl": {**params["rl"], "engine": "vllm"}}
     config = grpo_config(rl_options(on_vllm, "grpo_dapo"), tmp_path)
@@ -98,7 +97,7 @@ def test_mini_batches_make_several_updates_per_rollout_batch(batch, mini, genera
 
 
 def test_paper_profile_makes_two_updates_per_step_and_counts_steps_in_rollout_batches(tmp_path):
-    params = load_params(REPO / "params.yaml", "paper")
+    params = compose(REPO, "paper")
     for run in ("rl_gsm8k_seen", "parallel_r1_unseen_s2"):
         opts = rl_options(params, run)
         config = grpo_config(opts, tmp_path)

@@ -1,4 +1,4 @@
-"""params.yaml: profiles resolve, the paper profile matches the paper, bad params fail clearly."""
+"""params.yaml and conf/: profiles compose, the paper profile matches the paper, bad params fail clearly."""
 
 from __future__ import annotations
 
@@ -12,13 +12,14 @@ from parallel_r1.config import from_mapping
 from parallel_r1.errors import PipelineError
 from parallel_r1.models import TinyModelConfig
 from stages.common import load_params
+from stages.profiles import compose, differences, edits, profile_names, switch
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def paper():
-    return load_params(REPO / "params.yaml", profile="paper")
+    return compose(REPO, "paper")
 
 
 @pytest.fixture(scope="module")
@@ -79,28 +80,60 @@ def test_paper_profile_rewards_and_eval_match_the_paper(paper, reference):
     assert paper["generate"]["teacher"] == reference["teacher_model"]
 
 
+def keys(tree: dict, where: str = "") -> set[str]:
+    return {path for key, value in tree.items()
+            for path in (keys(value, f"{where}{key}.") if isinstance(value, dict) and value else {f"{where}{key}"})}
+
+
 @pytest.mark.parametrize(("profile", "base"), [("tiny", "tiny"), ("small", "smollm2-135m-instruct")])
-def test_small_profiles_only_override_existing_keys(profile, base):
-    raw = yaml.safe_load((REPO / "params.yaml").read_text())
-
-    def check(override, top, where):
-        for key, value in override.items():
-            assert key in top, f"profiles.{profile}{where}.{key} overrides nothing"
-            if isinstance(value, dict) and isinstance(top[key], dict):
-                check(value, top[key], f"{where}.{key}")
-
-    check(raw["profiles"][profile], raw, "")
-    assert load_params(REPO / "params.yaml", profile=profile)["model"]["base"] == base
+def test_every_profile_sets_the_keys_the_paper_profile_sets(profile, base):
+    # a complete file per profile: a knob missing from one would silently fall back to nothing
+    composed = compose(REPO, profile)
+    assert keys(composed) - {key for key in keys(composed) if key.startswith("model.tiny.")} == keys(compose(REPO, "paper"))
+    assert composed["model"]["base"] == base and composed["profile"] == profile
 
 
-def test_default_profile_is_the_small_pretrained_model():
+def test_profile_files_are_the_profiles_and_each_names_itself():
+    assert profile_names(REPO) == ["paper", "small", "tiny"]
+    for name in profile_names(REPO):
+        assert compose(REPO, name)["profile"] == name
+
+
+def test_committed_params_yaml_is_the_default_profiles_composition():
+    # params.yaml is generated from conf/ (stages/profiles.py); DVC and the stages read it, so it must not drift
     assert load_params(REPO / "params.yaml")["profile"] == "small"
+    assert edits(REPO) == []
 
 
-def test_unknown_profile_is_one_line(tmp_path):
+def test_switching_profile_refuses_to_drop_a_hand_edit(tmp_path):
+    import shutil
+
+    shutil.copytree(REPO / "conf", tmp_path / "conf")
+    switch(tmp_path, "tiny")
+    text = (tmp_path / "params.yaml").read_text()
+    (tmp_path / "params.yaml").write_text(text.replace("max_completion_tokens: 48", "max_completion_tokens: 40"))
+    with pytest.raises(PipelineError, match=r"^params.yaml: 1 value\(s\) differ from its profile's composition "
+                                            r"\(first: rl.max_completion_tokens\)"):
+        switch(tmp_path, "paper")
+    assert "max_completion_tokens: 40" in (tmp_path / "params.yaml").read_text()   # nothing lost
+    switch(tmp_path, "paper", force=True)
+    assert load_params(tmp_path / "params.yaml")["profile"] == "paper"
+
+
+def test_differences_name_changed_added_and_missing_keys():
+    assert differences({"a": {"b": 1, "c": 2}}, {"a": {"b": 1, "c": 3, "d": 4}}) == ["a.c", "a.d"]
+    assert differences({"a": 1}, {}) == ["a"]
+
+
+def test_unknown_profile_is_one_line():
+    with pytest.raises(PipelineError, match=r"^conf/profile/huge.yaml: no such profile \(choose from paper, small, tiny\)"):
+        compose(REPO, "huge")
+
+
+def test_params_without_a_profile_name_is_one_line(tmp_path):
     path = tmp_path / "params.yaml"
-    path.write_text("profile: huge\nprofiles: {tiny: {}, paper: {}}\n")
-    with pytest.raises(PipelineError, match=r"profile: unknown profile 'huge' \(choose from tiny, paper\)"):
+    path.write_text("seed: 1\n")
+    with pytest.raises(PipelineError, match=r"params.yaml: no `profile` name"):
         load_params(path)
 
 
@@ -115,8 +148,8 @@ def test_typed_options_reject_bad_values():
 
 def test_relative_mirror_is_anchored_at_the_dvc_root(tmp_path, monkeypatch):
     path = tmp_path / "params.yaml"
-    path.write_text("profile: tiny\ndata: {mirror_dir: ../shared/data}\nprofiles: {tiny: {}, paper: {}}\n")
+    path.write_text("profile: tiny\ndata: {mirror_dir: ../shared/data}\n")
     monkeypatch.setenv("DVC_ROOT", str(tmp_path / "project"))
     assert load_params(path)["data"]["mirror_dir"] == str(tmp_path / "shared" / "data")
-    path.write_text("profile: tiny\ndata: {mirror_dir: /abs/mirror}\nprofiles: {tiny: {}, paper: {}}\n")
+    path.write_text("profile: tiny\ndata: {mirror_dir: /abs/mirror}\n")
     assert load_params(path)["data"]["mirror_dir"] == "/abs/mirror"

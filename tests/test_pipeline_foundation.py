@@ -27,7 +27,7 @@ def dvc(repo: Path, *args: str) -> subprocess.CompletedProcess:
 def pipeline(tmp_path_factory, mirror):
     repo = copy_repo(tmp_path_factory.mktemp("repo"), mirror)
     # The vLLM path has its own tests; here the tiny teacher generates through transformers.
-    set_param(repo / "params.yaml", "profiles.tiny.generate.engine", "transformers")
+    set_param(repo / "params.yaml", "generate.engine", "transformers")
     result = dvc(repo, "repro", "table1", "validate")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return repo

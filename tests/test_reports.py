@@ -50,7 +50,7 @@ def write_fixture(root: Path, metrics: dict) -> None:
             path = root / "metrics" / "eval" / model / f"{bench}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(values))
-    (root / "params.yaml").write_text(yaml.safe_dump({"profile": "tiny", "profiles": {"tiny": {}, "paper": {}}}))
+    (root / "params.yaml").write_text(yaml.safe_dump({"profile": "tiny"}))
 
 
 def table_row(markdown: str, section: str, label: str) -> list[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import one_line_error, teacher_row, write_teacher
+from conftest import one_line_error, set_param, teacher_row, write_teacher
 
 
 def test_truncated_generation_file_names_the_line(workdir, capsys):
@@ -43,20 +43,18 @@ def test_negative_sample_count(workdir, capsys):
     from stages.common import load_params
     from stages.generate import main
 
-    params = (workdir / "params.yaml").read_text()
-    (workdir / "params.yaml").write_text(params.replace("dapo: {limit: 8}", "dapo: {limit: -3}"))
+    set_param(workdir / "params.yaml", "generate_datasets.dapo.limit", "-3")
     assert load_params()["generate_datasets"]["dapo"]["limit"] == -3
     line = one_line_error(main, capsys, ["dapo"])
     assert line == "error: params.yaml generate_datasets.dapo.limit: must be an integer >= 0 or null, got -3"
 
 
-def test_unknown_profile(workdir, capsys):
+def test_params_without_a_profile_name(workdir, capsys):
     from stages.prepare_data import main
 
-    params = (workdir / "params.yaml").read_text()
-    (workdir / "params.yaml").write_text(params.replace("profile: small ", "profile: huge ", 1))
+    (workdir / "params.yaml").write_text("seed: 1\n")
     line = one_line_error(main, capsys)
-    assert line == "error: params.yaml profile: unknown profile 'huge' (choose from paper, small, tiny)"
+    assert line == "error: params.yaml: no `profile` name (compose it: python -m stages.profiles <profile>)"
 
 
 def test_unknown_generate_dataset(workdir, capsys):

@@ -202,7 +202,7 @@ def project(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("PARALLEL_R1_PARAMS", raising=False)
     monkeypatch.setenv("PARALLEL_R1_TRACKING", "off")
-    (tmp_path / "params.yaml").write_text("profile: tiny\nprofiles: {tiny: {}}\n")
+    (tmp_path / "params.yaml").write_text("profile: tiny\n")
     return tmp_path
 
 
