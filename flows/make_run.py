@@ -5,7 +5,8 @@
 
 The MLflow run is named `make-run@<targets|all>` (tag flow=make-run); DVC gets its id in env
 PARALLEL_R1_PARENT_RUN_ID, so every stage run nests under it, as under the `reproduce` and
-`sweep` flows. DVC's output streams through unchanged; a failure ends with the stage's (or
+`sweep` flows, and it ends by writing reports/run_summary.md (parallel_r1/run_summary.py). DVC's output
+streams through unchanged; a failure ends with the stage's (or
 DVC's) one-line error and exit status 1. No Prefect here: `flows.reproduce` does the same
 with one Prefect task per stage.
 """
@@ -13,10 +14,12 @@ with one Prefect task per stage.
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 from flows.dvc_runner import run_dvc
 from parallel_r1 import tracking
+from parallel_r1.run_summary import write_run_summary
 from stages import profiles
 from stages.common import load_params, stage_main
 
@@ -34,8 +37,11 @@ def make_run(args: list[str], root: Path) -> None:
     tags = {"flow": FLOW_TAG, tracking.TAG_PROFILE: params["profile"]}
     run_params = {"tracking": params.get("tracking") or {}, "dvc_repro_args": args}
     name = f"{FLOW_TAG}@{','.join(targets) or 'all'}"
+    started = time.monotonic()
     with tracking.parent_run(name, params=run_params, tags=tags) as run_id:
         run_dvc(["repro", *args], cwd=root, env=tracking.child_env(run_id))
+        summary = write_run_summary(root, name, params, time.monotonic() - started, run_id)
+    print(f"run summary: {summary}", flush=True)
 
 
 @stage_main

@@ -8,12 +8,14 @@ state, log and duration. Each task runs `dvc repro --single-item <stage>` — on
 two `dvc repro` in one workspace fight over the repo lock; a stage that is up to date finishes in
 seconds. A task retries only when DVC could not take its lock (another DVC process), never on the
 stage's own failure: the flow then fails with the stage's one-line error. Stage runs in MLflow
-nest under this flow's run (env PARALLEL_R1_PARENT_RUN_ID).
+nest under this flow's run (env PARALLEL_R1_PARENT_RUN_ID); the flow ends by writing
+reports/run_summary.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
@@ -22,6 +24,7 @@ from prefect.runtime import flow_run
 
 from flows.dvc_runner import DvcCommandError, TransientDvcError, plan_stages, run_dvc
 from parallel_r1 import tracking
+from parallel_r1.run_summary import write_run_summary
 from stages.common import load_params
 from stages.profiles import switch as switch_profile
 
@@ -64,10 +67,14 @@ def reproduce(targets: list[str] = [], profile: str | None = None, force: bool =
     name = f"reproduce@{','.join(targets) or 'all'}"
     run_tags = {"flow": "reproduce", "prefect_flow_run_id": flow_run.get_id(), tracking.TAG_PROFILE: params["profile"]}
     outcome: dict[str, str] = {}
+    started = time.monotonic()
     with tracking.parent_run(name, params={"tracking": params.get("tracking") or {}, "targets": targets,
                                            "force": force}, tags=run_tags) as run_id:
         for stage in stages:
             outcome[stage] = repro_stage(stage, force, run_id, str(root))
+        summary = write_run_summary(root, name, load_params(root / PARAMS_FILE), time.monotonic() - started,
+                                    run_id)
+    get_run_logger().info("run summary: %s", summary)
     return outcome
 
 

@@ -80,9 +80,12 @@ class ReportOptions:
     table2_rows / ablation_*_rows: paper row key -> model name (`metrics/eval/<model>/`).
     figure3_runs: RL runs plotted in Figure 3 (`metrics/rl/<run>/steps.json`).
     reward_schedule_runs: RL runs compared in reports/reward_schedules.md (`metrics/rl/<run>/`).
+    base_model_label: the profile's base model by name, for the rows whose paper name is the paper's base
+        model (on the small profile Table 2's "Qwen3-4B-Base" row is SmolLM2's).
     """
 
     table1_datasets: list[str] = field(default_factory=lambda: ["gsm8k", "dapo"])
+    base_model_label: str = "Qwen3-4B-Base"
     table2_rows: dict[str, str] = field(default_factory=lambda: {
         "qwen3_4b_base": "base", "parallel_sft_seen": "sft_seen", "parallel_sft_unseen": "sft_unseen",
         "grpo_dapo": "grpo_dapo", "grpo_gsm8k_then_dapo": "grpo_gsm8k_then_dapo",
@@ -297,19 +300,24 @@ def table1(filter_metrics: Mapping[str, dict], profile: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def table2(eval_metrics: Mapping[str, Mapping[str, dict]], rows: Mapping[str, str], profile: str) -> str:
-    """Table 2: the eight main rows; cells "ours (paper)" and a Δ table below."""
+def table2(eval_metrics: Mapping[str, Mapping[str, dict]], rows: Mapping[str, str], profile: str,
+           base_model_label: str = "Qwen3-4B-Base") -> str:
+    """Table 2: the eight main rows; cells "ours (paper)" and a Δ table below.
+
+    "Row (paper)" is the paper's row; "Ours" names the model that fills it on this profile: the base
+    model by `base_model_label`, every other row by its folder (trained from that base model)."""
     paper = paper_results()["table2_main"]
     columns, paper_rows = paper["columns"], paper["rows"]
     _check_rows(rows, paper_rows, "table2")
     scores = {key: model_scores(eval_metrics, model, profile, "table2") for key, model in rows.items()}
     ks = _ks(eval_metrics, list(rows.values()))
     extra = _extra_columns(scores)
-    headers = ["Row", "Model"] + [_column_header(c, ks) for c in columns]
+    headers = ["Row (paper)", "Ours"] + [_column_header(c, ks) for c in columns]
     ours_rows, delta_rows = [], []
     for key, model in rows.items():
         ref = dict(zip(columns, paper_rows[key], strict=True))
-        label = [ROW_LABELS.get(key, key), f"`models/{model}`"]
+        ours = f"{base_model_label} (`models/{model}`)" if model == "base" else f"`models/{model}`"
+        label = [ROW_LABELS.get(key, key), ours]
         ours_rows.append(label + [f"{_pct(scores[key][c])} ({_pct(ref[c])})" for c in columns]
                          + [_pct(scores[key][c]) for c in extra])
         delta_rows.append(label + [delta(scores[key][c], ref[c]) for c in columns])
@@ -424,6 +432,14 @@ def rl_runs(summaries: Mapping[str, Mapping[str, Any]], steps: Mapping[str, Sequ
 # ---------------------------------------------------------------- figures
 
 
+def whole_step_axis(axis) -> None:
+    """Ticks at whole steps only: an RL step has no halves, and matplotlib's default ticks on a few-step
+    run (1, 1.25, 1.5, ...) read as if it had."""
+    from matplotlib.ticker import MaxNLocator
+
+    axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def _new_figure(rows: int = 1):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -473,6 +489,7 @@ def figure3_parallel_position(steps_by_run: Mapping[str, Sequence[dict]], path: 
     if all_steps:  # keep the step axis even when no run has a block (all gaps)
         ax.set_xlim(min(all_steps) - 0.5, max(all_steps) + 0.5)
     ax.set_xlabel("RL step")
+    whole_step_axis(ax)
     ax.set_ylabel("relative position of first <Parallel>\n(start ÷ response length)")
     ax.set_title(f"Figure 3 — where parallel thinking starts, over RL\n{_subtitle(profile)}", fontsize=11)
     ax.grid(alpha=0.3)
@@ -508,6 +525,7 @@ def figure4_scaffold(curve: Mapping[str, Any], path: str | Path, paper_peak: flo
     bottom.set_ylim(-2, 102)
     bottom.set_xlabel("RL step")
     for ax in (top, bottom):
+        whole_step_axis(ax)
         ax.axvline(curve["switch_step"], color="tab:red", linestyle=":",
                    label=f"switch to accuracy-only (step {curve['switch_step']})")
         ax.grid(alpha=0.3)

@@ -134,6 +134,8 @@ def plot(runs: list[RunCurves], path: str | os.PathLike) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from parallel_r1.reports import whole_step_axis
+
     colours = dict(zip(SCHEDULES, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
     fig, axes = plt.subplots(1, len(METRICS), figsize=(5 * len(METRICS), 3.8), squeeze=False)
     for axis, curve in zip(axes[0], METRICS, strict=True):
@@ -145,6 +147,7 @@ def plot(runs: list[RunCurves], path: str | os.PathLike) -> None:
                           label=f"{SCHEDULES[run.schedule]}: {run.name}")
         axis.set_title(curve)
         axis.set_xlabel("step")
+        whole_step_axis(axis)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     with atomic_path(path) as tmp:

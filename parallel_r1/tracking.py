@@ -312,6 +312,23 @@ def run_url(run_id: str) -> str | None:
     return f"{uri.rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}" if run else None
 
 
+def child_runs(run_id: str | None) -> list[dict[str, Any]] | None:
+    """The runs nested directly under `run_id`, oldest first: name, status, start and end (epoch ms; end
+    None while running). None when tracking is off or the store cannot be read."""
+    if not run_id or not enabled():
+        return None
+
+    def search() -> list[dict[str, Any]]:
+        client = _client()
+        experiment = client.get_run(run_id).info.experiment_id
+        runs = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{run_id}'",
+                                  order_by=["attributes.start_time ASC"], max_results=10_000)
+        return [{"name": run.info.run_name, "status": run.info.status, "start_ms": run.info.start_time,
+                 "end_ms": run.info.end_time} for run in runs]
+
+    return _guard("list the invocation's stage runs", search, disable=False)
+
+
 def process_tags(pid: int | None = None) -> dict[str, str]:
     """Host, pid and start time of a process (default: this one): who owns a run."""
     import psutil

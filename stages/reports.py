@@ -23,6 +23,7 @@ optional section `reports` (defaults in `parallel_r1.reports.ReportOptions`):
 
     reports:
       table1_datasets: [gsm8k, dapo]
+      base_model_label: SmolLM2-135M-Instruct     # the profile's base model, named in Table 2's base row
       table2_rows: {qwen3_4b_base: base, parallel_sft_seen: sft_seen, ...}   # paper row -> model
       ablation_training_rows: {parallel_r1_seen: parallel_r1_seen, ...}
       ablation_prompt_rows: {with_prompt: parallel_r1_seen, without_prompt: parallel_r1_seen_without_prompt}
@@ -88,7 +89,8 @@ def build(report: str, params: dict) -> Path:
         reports.write_markdown(out, reports.table1(filter_metrics, profile))
     elif report == "table2":
         rows = options.table2_rows
-        reports.write_markdown(out, reports.table2(read_eval_metrics(list(rows.values())), rows, profile))
+        reports.write_markdown(out, reports.table2(read_eval_metrics(list(rows.values())), rows, profile,
+                                                         options.base_model_label))
     elif report in ABLATIONS:
         build_table, key = ABLATIONS[report]
         rows = getattr(options, key)

@@ -224,6 +224,7 @@ def test_reproduce_runs_each_stage_as_a_completed_task_and_nests_stage_runs(toy,
     assert parent.info.run_name == "reproduce@tracked"
     assert parent.data.tags["prefect_flow_run_id"] == str(state.state_details.flow_run_id)
     assert stage_run.data.params["x.y"] == "1" and stage_run.data.tags["dvc_stage"] == "tracked"
+    assert "| `tracked@toy` | FINISHED |" in (toy / "reports" / "run_summary.md").read_text()
     again = reproduce(targets=["tracked"])
     assert again == {"a": "up to date", "b": "up to date", "tracked": "up to date"}
 
@@ -255,6 +256,8 @@ def test_make_run_nests_the_stage_runs_of_one_dvc_repro_under_one_parent_run(toy
     assert (parent.info.run_name, parent.info.status) == ("make-run@tracked", "FINISHED")
     stage_runs = client.search_runs([experiment], filter_string="tags.stage = 'tracked'")
     assert [run.data.tags["mlflow.parentRunId"] for run in stage_runs] == [parent.info.run_id]
+    summary = (toy / "reports" / "run_summary.md").read_text()  # the run reports itself
+    assert "`make-run@tracked`, profile `tiny`" in summary and "| `tracked@toy` | FINISHED |" in summary
 
 
 @pytest.mark.server

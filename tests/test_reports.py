@@ -76,7 +76,7 @@ def test_table2_lists_every_paper_row_with_the_papers_numbers():
     markdown = reports.table2(fixture_metrics(), TABLE2_MODELS, "tiny")
     for key, values in reports.paper_results()["table2_main"]["rows"].items():
         cells = table_row(markdown, "", reports.ROW_LABELS[key])
-        assert cells[1] == f"`models/{TABLE2_MODELS[key]}`"
+        assert cells[1].endswith(f"`models/{TABLE2_MODELS[key]}`") or cells[1].endswith(f"`models/{TABLE2_MODELS[key]}`)")
         assert [c.split("(")[1].rstrip(")") for c in cells[2:]] == [f"{v:.1f}" for v in values]
 
 
@@ -275,7 +275,7 @@ def test_gsm8k_column_and_ratio_over_every_evaluated_benchmark():
         metrics[model]["gsm8k"] = {**bench_metrics(model, "math", mean=0.25, ratio=0.5), "benchmark": "gsm8k",
                                    "n_problems": 8, "n_samples": 8, "path_diversity": 0.4}
     text = reports.table2(metrics, TABLE2_MODELS, "tiny")
-    header = next(line for line in text.splitlines() if line.startswith("| Row | Model |"))
+    header = next(line for line in text.splitlines() if line.startswith("| Row (paper) | Ours |"))
     assert header.rstrip(" |").endswith("GSM8K mean@1 (ours only)")
     cells = table_row(text, "", "Qwen3-4B-Base")
     assert cells[-1] == "25.0"  # the GSM8K column, no paper number beside it
@@ -283,6 +283,12 @@ def test_gsm8k_column_and_ratio_over_every_evaluated_benchmark():
     assert cells[2].startswith(f"{100 * 32 / 108:.1f} (")
     details = table_row(text, "## Sample details (ours)", "Qwen3-4B-Base")
     assert details[-1] == "0.40"  # path diversity: only GSM8K reported one
+
+
+def test_table2_names_the_profiles_base_model_beside_the_papers_row():
+    text = reports.table2(fixture_metrics(), TABLE2_MODELS, "tiny", base_model_label="SmolLM2-135M-Instruct")
+    cells = table_row(text, "", "Qwen3-4B-Base")
+    assert cells[1] == f"SmolLM2-135M-Instruct (`models/{TABLE2_MODELS['qwen3_4b_base']}`)"
 
 
 def test_table2_without_gsm8k_has_no_gsm8k_column():

@@ -52,3 +52,21 @@ def test_run_on_a_schedule_the_report_does_not_compare_is_one_line(project):
     (project / "metrics/rl/scaffold/summary.json").write_text(json.dumps({"reward": "tiered"}))
     with pytest.raises(PipelineError, match=r"^metrics/rl/scaffold/summary.json: reward 'tiered' is not"):
         build("reward_schedules", {"profile": "tiny"})
+
+
+def test_plot_step_axis_has_whole_steps_only(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    from parallel_r1 import reward_schedule_report as report
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure the plot would close
+    run = report.RunCurves("id", "parallel_only", "parallel_only",
+                           {"reward": [(1, 0.1), (2, 0.4)], "accuracy": [(1, 0.0), (2, 0.0)]})
+    report.plot([run], tmp_path / "plot.png")
+    (figure,) = figures
+    figure.canvas.draw()
+    for axis in figure.axes:
+        ticks = [tick for tick in axis.get_xticks() if 1 <= tick <= 2]
+        assert ticks and all(float(tick).is_integer() for tick in ticks), ticks
+    plt.close(figure)
