@@ -18,9 +18,8 @@ export MLFLOW_TRACKING_URI ?= sqlite:///$(CURDIR)/mlflow.db
 # jemalloc, where the system has it (Debian/Ubuntu: `apt-get install libjemalloc2`; .ci/run installs it), as
 # the allocator of the pipeline, the tests, the benchmarks and the UI servers (not pip), keeping freed memory
 # instead of returning it to the kernel. With glibc's malloc each large tensor (a 152k-vocabulary logits
-# block is ~0.9 GB) is fresh mmap'd memory that the kernel zeroes page by page on every step. Measured on a
-# 2-core machine (2026-12-03): tests/test_sft.py + tests/test_grpo.py in one process 282 -> 152 s (system
-# time 71 -> 8 s). `make test JEMALLOC=` runs on glibc's malloc.
+# block is ~0.9 GB) is fresh mmap'd memory that the kernel zeroes page by page on every step (the
+# measurement: docs/benchmarks.md, "Allocator"). `make test JEMALLOC=` runs on glibc's malloc.
 JEMALLOC ?= $(firstword $(wildcard /usr/lib/x86_64-linux-gnu/libjemalloc.so.2 /usr/lib/aarch64-linux-gnu/libjemalloc.so.2 \
                                    /usr/lib64/libjemalloc.so.2 /usr/lib/libjemalloc.so.2))
 MALLOC_CONF ?= oversize_threshold:0,dirty_decay_ms:-1,muzzy_decay_ms:-1
@@ -30,7 +29,7 @@ PYTEST_ARGS ?=
 # so its module fixtures are built once. tests/conftest.py gives each worker its share of the cores and
 # orders the files longest first; --no-loadscope-reorder makes xdist hand them out in that order.
 # Three workers on two cores: many tests wait on stage processes, vLLM and UI servers, and the third
-# worker fills those waits (2026-12-03: 714 s on 3 workers; 770 s on 2 a commit earlier, ~35 s of it since cut).
+# worker fills those waits (docs/benchmarks.md, "CI").
 PYTEST_WORKERS ?= 3
 XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 

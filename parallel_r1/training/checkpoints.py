@@ -1,8 +1,8 @@
 """Resumable training runs shared by SFT and GRPO: run fingerprints and the last complete checkpoint.
 
-A checkpoint folder holds `run.json`, the fingerprint of what its checkpoints were trained
-from (options, data, the starting model's files). Re-running with the same fingerprint
-resumes from the newest *complete* `checkpoint-N`; any other re-run clears the folder and
+A checkpoint folder holds `run.json`, the fingerprint of what its checkpoints were trained from
+(`identity.work_identity`: options, data, the starting model's files). Re-running with the same
+fingerprint resumes from the newest *complete* `checkpoint-N`; any other re-run clears the folder and
 starts afresh, so a changed param never continues a stale run.
 
 Why "complete": the Trainer writes `checkpoint-N` in place (weights, optimizer, scheduler,
@@ -92,17 +92,6 @@ def check_scheduler(name: str) -> None:
         raise PipelineError(f"lr_scheduler: unknown scheduler {name!r} (e.g. constant, cosine, linear)")
 
 
-def file_signature(folder: Path) -> list:
-    """The model folder's identity for a fingerprint: its path and each file's name, size and mtime."""
-    files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir() if p.is_file())
-    return [str(folder.resolve()), files]
-
-
-def as_record(fingerprint: dict[str, Any]) -> dict:
-    """The fingerprint as JSON reads it back (tuples become lists), so it compares equal to run.json."""
-    return json.loads(json.dumps(fingerprint))
-
-
 def _has_dir(folder: Path, prefixes: tuple[str, ...]) -> bool:
     return any(p.is_dir() and p.name.startswith(prefixes) for p in folder.iterdir())
 
@@ -164,7 +153,7 @@ def resume_point(checkpoint_dir: Path, fingerprint: dict, state) -> str | None:
     resumes from one nor saves the same step into a folder holding stale files. `state` is
     accelerate's PartialState: every process agrees before the main one changes anything.
     """
-    fingerprint = as_record(fingerprint)
+    fingerprint = json.loads(json.dumps(fingerprint))  # as run.json reads back (tuples become lists)
     record = checkpoint_dir / RUN_RECORD
     same_run = _read_record(record) == fingerprint
     last, incomplete = last_complete_checkpoint(checkpoint_dir) if same_run else (None, [])

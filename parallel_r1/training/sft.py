@@ -41,13 +41,13 @@ import torch
 
 from parallel_r1.config import check_fields
 from parallel_r1.errors import PipelineError
+from parallel_r1.identity import work_identity
 from parallel_r1.io import atomic_path
 from parallel_r1.models import load_model, runs_in_bf16
 from parallel_r1.prompts import render_prompt
 from parallel_r1.structure import Structure, TagIds, attention_inputs, build_structure
 from parallel_r1.training.checkpoints import (
     check_scheduler,
-    file_signature,
     no_checkpoint_at_the_end,
     process_state,
     resume_point,
@@ -244,7 +244,7 @@ def _fingerprint(options: SFTOptions, dataset, base_dir: Path) -> dict:
     for prompt, completion in zip(dataset["prompt"], dataset["completion"], strict=True):
         data.update(prompt.encode() + b"\0" + completion.encode() + b"\0")
     training = {k: v for k, v in asdict(options).items() if k not in PROBE_FIELDS}
-    return {"options": training, "data_sha256": data.hexdigest(), "base_model": file_signature(base_dir)}
+    return work_identity(base_dir, {"options": training}, data.hexdigest())
 
 
 def make_trainer(options: SFTOptions, model, tokenizer, dataset, output_dir: str | os.PathLike, *,
