@@ -626,9 +626,11 @@ def fixed_batch() -> tuple[dict, torch.Tensor]:
     """Two completions (3 and 2 tokens), advantages +1 / -2, old log-probs 0 so the ratio is exp(log-prob):
     ratios 1.5, 0.5, 1.1 and 4.0, 0.9 (the third token of row 2 is padding)."""
     ratios = torch.tensor([[1.5, 0.5, 1.1], [4.0, 0.9, 2.0]])
-    inputs = {"prompt_ids": torch.zeros(2, 1, dtype=torch.long), "prompt_mask": torch.ones(2, 1, dtype=torch.long),
+    inputs = {"prompt_ids": torch.zeros(2, 1, dtype=torch.long),
+              "prompt_mask": torch.ones(2, 1, dtype=torch.long),
               "completion_ids": torch.zeros(2, 3, dtype=torch.long),
-              "completion_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]), "advantages": torch.tensor([1.0, -2.0]),
+              "completion_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
+              "advantages": torch.tensor([1.0, -2.0]),
               "old_per_token_logps": torch.zeros(2, 3), "num_items_in_batch": torch.tensor(10.0)}
     return inputs, ratios.log().requires_grad_()
 

@@ -90,9 +90,11 @@ class RLOptions:
         actor optimizer: 0.01); loss_type: TRL's aggregation of the per-token losses ("bnpo" = VERL's
         token-mean per micro-batch divided by the accumulation steps, see `grpo_config`); dual_clip:
         VERL's dual-clip constant c for negative advantages (3.0; None = off), TRL's `delta`.
-    Rollouts (rl): temperature, top_p; max_prompt_tokens (longer prompts are dropped from the set,
-        as VERL's filter_overlong_prompts does); max_completion_tokens (the whole response: main
-        text, every path, summaries); num_paths per block; max_blocks per response; engine:
+    Rollouts (rl): temperature, top_p; max_prompt_tokens (longer prompts are dropped from the set and
+        counted; the official scripts keep them left-truncated, see docs/deviations.md);
+        max_completion_tokens (the whole response: main text, every path, summaries; when a block
+        opens, what is left is split equally between its paths, where the official loop lets each
+        path run to 4096 and cuts the response afterwards: docs/deviations.md); num_paths per block; max_blocks per response; engine:
         "transformers" decodes with the live policy (exact structured attention, no weight sync),
         "vllm" uses TRL's own vLLM (`vllm_mode` colocate: the LLM TRL creates and keeps in sync;
         server: `trl vllm-serve` at `vllm_server_base_url`; vllm_gpu_memory_utilization is vLLM's share
