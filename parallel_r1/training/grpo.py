@@ -94,8 +94,8 @@ class RLOptions:
         counted; the official scripts keep them left-truncated, see docs/deviations.md);
         max_completion_tokens (the whole response: main text, every path, summaries; when a block
         opens, what is left is split equally between its paths, where the official loop lets each
-        path run to 4096 and cuts the response afterwards: docs/deviations.md); num_paths per block; max_blocks per
-        response; engine:
+        path run to 4096 and cuts the response afterwards: docs/deviations.md); num_paths per block;
+        max_blocks per response; engine:
         "transformers" decodes with the live policy (exact structured attention, no weight sync),
         "vllm" uses TRL's own vLLM (`vllm_mode` colocate: the LLM TRL creates and keeps in sync;
         server: `trl vllm-serve` at `vllm_server_base_url`; vllm_gpu_memory_utilization is vLLM's share
