@@ -127,7 +127,7 @@ def test_b_prompts_times_g_rollouts_make_one_generation_and_one_update(batch, ge
         assert (config.per_device_train_batch_size, config.gradient_accumulation_steps,
                 config.steps_per_generation, config.generation_batch_size) == expected
         assert config.num_generations == generations and config.num_iterations == 1
-        assert config.loss_type == "dapo" and config.beta == 0.0 and not config.use_vllm
+        assert config.loss_type == "bnpo" and config.delta == 3.0 and config.beta == 0.0 and not config.use_vllm
 
 
 def test_indivisible_batch_is_a_one_line_error():
@@ -366,12 +366,27 @@ def test_seen_grpo_step_forks_rollouts_rewards_them_and_saves_the_model(init_dir
 
 
 @pytest.mark.slow
+class AdamStepCount(TrainerCallback):
+    """AdamW's step count after each optimizer update (callbacks run after the trainer's own)."""
+
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        inner = optimizer
+        while not isinstance(inner, torch.optim.Optimizer):
+            inner = inner.optimizer
+        self.counts.append(int(next(iter(inner.state.values()))["step"]))
+
+
 def test_unseen_scaffold_run_exports_step_snapshots(init_dir, tmp_path, tokenizer):
     opts = options(variant="unseen", reward="scaffold", epsilon_high=0.28, snapshots=True, snapshot_every=1,
                    rl={**RL, "datasets": {"gsm8k": {"batch_size": 1, "num_generations": 4, "max_steps": 2}}})
     every_step_tiered_then_switch = RewardConfig(window=1, tiered_steps=1, switch_step=1)
-    result = run_once(init_dir, tmp_path, tokenizer, opts, every_step_tiered_then_switch)
+    adam_steps = AdamStepCount()
+    result = run_once(init_dir, tmp_path, tokenizer, opts, every_step_tiered_then_switch, callbacks=[adam_steps])
     assert [r["reward_type"] for r in result.history] == ["tiered", "accuracy"]
+    assert adam_steps.counts == [0, 1]  # the switch after step 1 restarted the optimizer (no switch: [1, 2])
     assert result.snapshots == ["step-1", "step-2"]
     for name in result.snapshots:
         model, _ = load_model(result.model_dir / "steps" / name)

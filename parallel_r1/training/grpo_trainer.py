@@ -12,7 +12,8 @@
     gradient are exactly 0, so it only sets zero gradients, and the optimizer step it belongs to stays
     what it would have been (momentum, weight decay). Its clip ratios are logged as the 0 they are; its
     entropy (and Unseen's broken-block count) is not measured, so those average over the computed
-    micro-batches only. One process without DeepSpeed or FSDP only: a
+    micro-batches only. The conditions fail closed (`_gradient_is_zero`): each must be read positively
+    from TRL's attributes, so a TRL rename computes in full. One process without DeepSpeed or FSDP only: a
     skipped forward would leave other processes waiting in a collective, and sharded parameters are
     not the tensors the zero gradient is set on.
   - Each rollout batch is timed and measured; the numbers go through TRL's own metric buffer, so
