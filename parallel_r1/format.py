@@ -170,9 +170,54 @@ def rollout_layout(text: str) -> str:
     return _GAP_BEFORE_SUMMARY.sub(PARALLEL_CLOSE + SUMMARY_SEPARATOR + SUMMARY_OPEN, text)
 
 
-def is_parallel(text: str) -> bool:
-    """True when the response holds at least one well-formed block and passes Algorithm 1."""
+def is_parallel(text: str, check: str = "algorithm1") -> bool:
+    """True when the response holds at least one well-formed block: by Algorithm 1 (`check_format`),
+    or with `check="authors"` by the official reward code's looser check (`passes_authors_check`)."""
+    if check == "authors":
+        return PARALLEL_OPEN in text and passes_authors_check(text)
     return check_format(text).ok
+
+
+def passes_authors_check(text: str) -> bool:
+    """The parallel-format check of the official reward functions (`check_parallel_thinking_format` in
+    the released `verl/utils/reward_score/*.py`; the RL rewards count a response as parallel when it
+    has a `<Parallel>` and passes it), re-stated: closing `</Path>` / `</Parallel>` must match the
+    innermost open tag; a `</Parallel>` needs >= 2 paths closed inside it; a `<Summary>` must come
+    after a `</Parallel>` (a new `<Parallel>` cancels the wait); nothing left open, no summary left
+    owed, and #`<Summary>` = #`</Parallel>`. Looser than Algorithm 1: `</Summary>` is never checked
+    (a stray or missing one passes), a `<Path>` need not sit directly inside `<Parallel>`, blocks may
+    nest, and text may follow a block before its summary.
+    """
+    stack: list[str] = []
+    paths: list[int] = []  # paths closed in each open <Parallel>, innermost last
+    summary_expected = False
+    summaries = closes = 0
+    for match in TAG_PATTERN.finditer(text):
+        tag = match.group()
+        if tag == PARALLEL_OPEN:
+            stack.append(tag)
+            paths.append(0)
+            summary_expected = False
+        elif tag == PATH_OPEN:
+            stack.append(tag)
+        elif tag == PATH_CLOSE:
+            if not stack or stack[-1] != PATH_OPEN:
+                return False
+            stack.pop()
+            if paths:
+                paths[-1] += 1
+        elif tag == PARALLEL_CLOSE:
+            closes += 1
+            if not stack or stack[-1] != PARALLEL_OPEN or paths.pop() < 2:
+                return False
+            stack.pop()
+            summary_expected = True
+        elif tag == SUMMARY_OPEN:
+            if not summary_expected:
+                return False
+            summary_expected = False
+            summaries += 1
+    return not stack and not summary_expected and summaries == closes
 
 
 def parallel_ratio(texts: list[str]) -> float:

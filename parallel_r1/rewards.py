@@ -30,7 +30,7 @@ import re
 import threading
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 from parallel_r1.config import check_fields
 from parallel_r1.errors import PipelineError
@@ -174,6 +174,9 @@ class RewardConfig:
 
     Answer checking:
         checker: "paper" (the authors' extraction rules) or "math_verify".
+        parallel_check: what counts as ">= 1 well-formed block" in the rewards: "authors" (the
+            official reward code's check, `format.passes_authors_check`) or "algorithm1" (the
+            paper's Algorithm 1, which the SFT filter and the evaluation's parallel ratio use).
     Reward values:
         correct_reward / incorrect_reward: accuracy-only +1 / -1; also the pass / fail values of
             parallel_times_accuracy (+1 only if correct AND >= 1 well-formed block) and
@@ -191,6 +194,7 @@ class RewardConfig:
     """
 
     checker: str = "paper"
+    parallel_check: Literal["authors", "algorithm1"] = "authors"  # format.is_parallel: rewards' check
     correct_reward: float = 1.0
     incorrect_reward: float = -1.0
     tiered_parallel_reward: float = 1.2
@@ -232,7 +236,7 @@ _STEP_FREE = set(REWARD_TYPES)
 # Which RewardConfig fields a schedule reads. Every schedule reads SHARED_KNOBS; SCHEDULE_KNOBS[name] are
 # read only by schedule `name`, so the stage takes them from its own entry (params.yaml
 # `reward_schedules.<name>`) and DVC retrains only the runs on a schedule whose knobs changed.
-SHARED_KNOBS = ("checker", "correct_reward", "incorrect_reward")
+SHARED_KNOBS = ("checker", "parallel_check", "correct_reward", "incorrect_reward")
 _TIERED_KNOBS = ("tiered_parallel_reward", "tiered_correct_reward")
 SCHEDULE_KNOBS: dict[str, tuple[str, ...]] = {
     ACCURACY: (),
@@ -340,7 +344,7 @@ class RewardFunction:
         reward_type = reward_type_at(self.name, self.step_of(kwargs.get("trainer_state")), self.config)
         correct = [is_correct(t, g, k, self.config.checker)
                    for t, g, k in zip(texts, truths, kinds, strict=True)]
-        parallel = [is_parallel(t) for t in texts]
+        parallel = [is_parallel(t, self.config.parallel_check) for t in texts]
         rewards = [
             score(reward_type, c, p, PARALLEL_OPEN in t, self.config)
             for t, c, p in zip(texts, correct, parallel, strict=True)

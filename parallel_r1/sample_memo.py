@@ -14,8 +14,10 @@ sizes or mtimes like the partial files' stamp: a re-saved checkpoint (the base m
 bf16, an RL model saved from float32 masters) hits, and any changed weight misses. It also hashes
 the source of every module on the generation path (`GENERATION_CODE`, the evaluate stage's code
 deps in dvc.yaml), the torch / transformers / vLLM versions and the device, so a fixed engine or a
-new library never brings back old samples. Only generated text is memoised: each problem's answer
-comes from the current data/eval files and scoring always runs. Entries live in data/memo/eval/,
+new library never brings back old samples (the device includes a CPU's kernel level and native
+bf16, which decide whether a model is decoded in bf16: `weights_digest.device_kernels`). Only
+generated text is memoised: each problem's answer comes from the current data/eval files and
+scoring always runs. Entries live in data/memo/eval/,
 outside every stage's outputs, like data/partial/.
 """
 

@@ -59,8 +59,6 @@ def _defining_bytes(path: Path) -> bytes:
 def environment(code: Iterable[Path], libraries: Iterable[str]) -> dict[str, Any]:
     """What besides the inputs decides a memoised result: a hash of the `code` files (name and bytes; a
     missing file hashes as empty), the `libraries`' installed versions (None: not installed), the device."""
-    import torch
-
     digest = hashlib.sha256()
     for path in code:
         digest.update(path.name.encode())
@@ -71,5 +69,17 @@ def environment(code: Iterable[Path], libraries: Iterable[str]) -> dict[str, Any
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             versions[name] = None
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return {"code": digest.hexdigest(), "versions": versions, "device": device}
+    return {"code": digest.hexdigest(), "versions": versions, "device": device_kernels()}
+
+
+def device_kernels() -> str:
+    """The device and the kernels its numerics come from: the GPU's name, or on a CPU the ATen kernel
+    level (AVX512 / AVX2 / ...) and whether oneDNN has native bf16. Two CPUs that differ here sample
+    different tokens from the same weights: bfloat16 is decoded only where it is native
+    (`models.runs_in_bf16`), and the vectorised kernels sum in a different order."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return f"cpu:{torch.backends.cpu.get_cpu_capability()}:{'bf16' if bf16 else 'no-bf16'}"

@@ -127,7 +127,7 @@ def test_b_prompts_times_g_rollouts_make_one_generation_and_one_update(batch, ge
         assert (config.per_device_train_batch_size, config.gradient_accumulation_steps,
                 config.steps_per_generation, config.generation_batch_size) == expected
         assert config.num_generations == generations and config.num_iterations == 1
-        assert config.loss_type == "dapo" and config.beta == 0.0 and not config.use_vllm
+        assert config.loss_type == "bnpo" and config.delta == 3.0 and config.beta == 0.0 and not config.use_vllm
 
 
 def test_indivisible_batch_is_a_one_line_error():
@@ -366,12 +366,27 @@ def test_seen_grpo_step_forks_rollouts_rewards_them_and_saves_the_model(init_dir
 
 
 @pytest.mark.slow
+class AdamStepCount(TrainerCallback):
+    """AdamW's step count after each optimizer update (callbacks run after the trainer's own)."""
+
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        inner = optimizer
+        while not isinstance(inner, torch.optim.Optimizer):
+            inner = inner.optimizer
+        self.counts.append(int(next(iter(inner.state.values()))["step"]))
+
+
 def test_unseen_scaffold_run_exports_step_snapshots(init_dir, tmp_path, tokenizer):
     opts = options(variant="unseen", reward="scaffold", epsilon_high=0.28, snapshots=True, snapshot_every=1,
                    rl={**RL, "datasets": {"gsm8k": {"batch_size": 1, "num_generations": 4, "max_steps": 2}}})
     every_step_tiered_then_switch = RewardConfig(window=1, tiered_steps=1, switch_step=1)
-    result = run_once(init_dir, tmp_path, tokenizer, opts, every_step_tiered_then_switch)
+    adam_steps = AdamStepCount()
+    result = run_once(init_dir, tmp_path, tokenizer, opts, every_step_tiered_then_switch, callbacks=[adam_steps])
     assert [r["reward_type"] for r in result.history] == ["tiered", "accuracy"]
+    assert adam_steps.counts == [0, 1]  # the switch after step 1 restarted the optimizer (no switch: [1, 2])
     assert result.snapshots == ["step-1", "step-2"]
     for name in result.snapshots:
         model, _ = load_model(result.model_dir / "steps" / name)
@@ -617,3 +632,99 @@ def test_unseen_runs_can_pick_their_own_engine():
     with pytest.raises(PipelineError, match="rl.unseen_engine: .*'fast'") as error:
         options({**RL, "unseen_engine": "fast"}, variant="unseen")
     assert "\n" not in str(error.value)
+
+
+# ---------------------------------------------------------------------------------- the official loss
+
+
+def fixed_batch() -> tuple[dict, torch.Tensor]:
+    """Two completions (3 and 2 tokens), advantages +1 / -2, old log-probs 0 so the ratio is exp(log-prob):
+    ratios 1.5, 0.5, 1.1 and 4.0, 0.9 (the third token of row 2 is padding)."""
+    ratios = torch.tensor([[1.5, 0.5, 1.1], [4.0, 0.9, 2.0]])
+    inputs = {"prompt_ids": torch.zeros(2, 1, dtype=torch.long),
+              "prompt_mask": torch.ones(2, 1, dtype=torch.long),
+              "completion_ids": torch.zeros(2, 3, dtype=torch.long),
+              "completion_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
+              "advantages": torch.tensor([1.0, -2.0]),
+              "old_per_token_logps": torch.zeros(2, 3), "num_items_in_batch": torch.tensor(10.0)}
+    return inputs, ratios.log().requires_grad_()
+
+
+def loss_and_grad(trainer, monkeypatch, loss_type: str, delta: float | None) -> tuple[float, torch.Tensor]:
+    inputs, logps = fixed_batch()
+    monkeypatch.setattr(trainer, "_get_per_token_logps_and_entropies",
+                        lambda *args, **kwargs: (logps, torch.zeros_like(logps), None))
+    monkeypatch.setattr(trainer, "loss_type", loss_type)
+    monkeypatch.setattr(trainer.args, "delta", delta)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 2  # this micro-batch is one of 2 in the update
+    loss = trainer._compute_loss(trainer.model, inputs)
+    loss.backward()
+    return loss.item(), logps.grad
+
+
+def test_grpo_defaults_are_the_official_loss_dual_clip_and_weight_decay(trainers):
+    trainer = trainers[False]  # built by grpo_config(options())
+    assert (trainer.loss_type, trainer.args.delta, trainer.args.weight_decay) == ("bnpo", 3.0, 0.01)
+    with pytest.raises(PipelineError, match=r"params.yaml rl.dual_clip: 1.1 must exceed 1 \+ the upper clip"):
+        options(rl={**RL, "dual_clip": 1.1})
+
+
+def test_official_loss_is_a_token_mean_per_micro_batch_over_the_accumulation_steps(trainers, monkeypatch):
+    """VERL (dp_actor.update_policy + core_algos.compute_policy_loss, token-mean, clip_ratio_c 3), by hand:
+    row 1 (A = +1): -min(r, clip(r)) = -1.2, -0.5, -1.1;
+    row 2 (A = -2): min(3 * 2, max(2r, 2 clip(r))) = min(6, 8) = 6 for r = 4 (dual-clip), 1.8 for r = 0.9;
+    token mean of the micro-batch 5.0 / 5 tokens, divided by 2 accumulation steps = 0.5.
+    Gradient wrt each log-prob (= d loss / d r * r): 0 where a clip binds (r = 1.5 high, r = 4 dual),
+    -r / 10 for row 1's others, +2r / 10 for row 2's r = 0.9, 0 on padding."""
+    loss, grad = loss_and_grad(trainers[False], monkeypatch, "bnpo", 3.0)
+    assert loss == pytest.approx(0.5, abs=1e-6)
+    expected = torch.tensor([[0.0, -0.5, -1.1], [0.0, 1.8, 0.0]]) / 10
+    assert torch.allclose(grad, expected, atol=1e-6)
+
+
+def test_without_dual_clip_the_negative_advantage_ratio_is_unbounded(trainers, monkeypatch):
+    loss, grad = loss_and_grad(trainers[False], monkeypatch, "bnpo", None)
+    assert loss == pytest.approx((-2.8 + 8.0 + 1.8) / 5 / 2, abs=1e-6)  # r = 4 now costs 2 x 4
+    assert grad[1, 0].item() == pytest.approx(8.0 / 10, abs=1e-6)
+
+
+def test_trl_dapo_form_divides_by_the_whole_generation_batchs_tokens(trainers, monkeypatch):
+    """TRL's "dapo" (the former setting): the micro-batch's summed loss over num_items_in_batch (10 tokens in
+    the whole generation batch) x accumulation steps / steps_per_generation -- not a per-micro-batch mean."""
+    trainer = trainers[False]
+    loss, _ = loss_and_grad(trainer, monkeypatch, "dapo", 3.0)
+    assert loss == pytest.approx(5.0 / (10 * 2 / trainer.args.steps_per_generation), abs=1e-6)
+
+
+def test_zero_advantage_skip_fails_closed_when_trl_renames_what_it_reads(trainers, tokenizer, monkeypatch):
+    trainer = trainers[False]
+    trainer.model.train()
+    batch = micro_batch(tokenizer, [0.0, 0.0])
+    assert trainer._gradient_is_zero(trainer.model, batch)
+    monkeypatch.delattr(trainer, "_entropy_bonus_enabled")  # a TRL rename: unknown, so computed in full
+    assert not trainer._gradient_is_zero(trainer.model, batch)
+    monkeypatch.undo()
+    monkeypatch.setattr(trainer.args, "entropy_coef", 0.01)
+    assert not trainer._gradient_is_zero(trainer.model, batch)
+    monkeypatch.undo()
+    monkeypatch.setattr(trainer, "loss_type", "some_new_loss")
+    assert not trainer._gradient_is_zero(trainer.model, batch)
+
+
+def test_a_runs_memo_key_follows_the_machines_decode_dtype_and_cpu_kernels(init_dir, monkeypatch):
+    import parallel_r1.models
+    import parallel_r1.training.grpo
+    import parallel_r1.weights_digest
+    from parallel_r1.training.run_memo import run_key
+
+    opts, rewards = options(), RewardConfig()
+    key = run_key(opts, PROBLEMS, init_dir, rewards, "bfloat16")
+    assert key == run_key(opts, PROBLEMS, init_dir, rewards, "bfloat16")
+    native = parallel_r1.models.runs_in_bf16("bfloat16")
+    for module in (parallel_r1.models, parallel_r1.training.grpo):  # the other CPU: bf16 native or not
+        monkeypatch.setattr(module, "runs_in_bf16", lambda dtype: not native)
+    assert run_key(opts, PROBLEMS, init_dir, rewards, "bfloat16") != key
+    monkeypatch.undo()
+    monkeypatch.setattr(parallel_r1.weights_digest, "device_kernels", lambda: "cpu:AVX2:no-bf16")
+    assert run_key(opts, PROBLEMS, init_dir, rewards, "bfloat16") != key

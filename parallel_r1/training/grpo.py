@@ -86,10 +86,16 @@ class RLOptions:
             step makes B / mini_batch_size updates; max_steps: steps (rollout batches), the count
             the paper's "300 updates" and the reward schedules use.
     Optimisation (rl): lr with `lr_scheduler` and `warmup_ratio` (1e-6, constant, none); beta: KL
-        weight (0 = no reference model); epsilon: lower clip (0.2).
-    Rollouts (rl): temperature, top_p; max_prompt_tokens (longer prompts are dropped from the set,
-        as VERL's filter_overlong_prompts does); max_completion_tokens (the whole response: main
-        text, every path, summaries); num_paths per block; max_blocks per response; engine:
+        weight (0 = no reference model); epsilon: lower clip (0.2); weight_decay: AdamW's (VERL's
+        actor optimizer: 0.01); loss_type: TRL's aggregation of the per-token losses ("bnpo" = VERL's
+        token-mean per micro-batch divided by the accumulation steps, see `grpo_config`); dual_clip:
+        VERL's dual-clip constant c for negative advantages (3.0; None = off), TRL's `delta`.
+    Rollouts (rl): temperature, top_p; max_prompt_tokens (longer prompts are dropped from the set and
+        counted; the official scripts keep them left-truncated, see docs/deviations.md);
+        max_completion_tokens (the whole response: main text, every path, summaries; when a block
+        opens, what is left is split equally between its paths, where the official loop lets each
+        path run to 4096 and cuts the response afterwards: docs/deviations.md); num_paths per block;
+        max_blocks per response; engine:
         "transformers" decodes with the live policy (exact structured attention, no weight sync),
         "vllm" uses TRL's own vLLM (`vllm_mode` colocate: the LLM TRL creates and keeps in sync;
         server: `trl vllm-serve` at `vllm_server_base_url`; vllm_gpu_memory_utilization is vLLM's share
@@ -121,6 +127,9 @@ class RLOptions:
     beta: float = field(default=0.0, metadata={"min": 0})
     epsilon: float = field(default=0.2, metadata={"min": 0})
     epsilon_high: float | None = field(default=None, metadata={"min": 0})
+    weight_decay: float = field(default=0.01, metadata={"min": 0})
+    loss_type: Literal["bnpo", "dapo", "grpo", "dr_grpo"] = "bnpo"
+    dual_clip: float | None = field(default=3.0, metadata={"min": 1})
     temperature: float = field(default=1.0, metadata={"min": 0})
     top_p: float = field(default=1.0, metadata={"min": 0})
     max_prompt_tokens: int = field(default=2000, metadata={"min": 1})
@@ -146,6 +155,10 @@ class RLOptions:
         if self.reward not in REWARDS:  # checked here, before any model is loaded
             raise PipelineError(f"reward: unknown schedule {self.reward!r} "
                                 f"(known: {', '.join(sorted(REWARDS))})")
+        if self.dual_clip is not None and self.dual_clip <= 1 + (self.epsilon_high or self.epsilon):
+            raise PipelineError(f"dual_clip: {self.dual_clip} must exceed 1 + the upper clip "
+                                f"{self.epsilon_high or self.epsilon} (VERL asserts c > 1; at or below the "
+                                "clip it would also cut the positive-advantage ratio)")
         mini = self.mini_batch_size
         if mini is not None and (mini > self.batch_size or self.batch_size % mini):
             raise PipelineError(f"mini_batch_size: {mini} does not divide batch_size {self.batch_size} "
@@ -211,13 +224,21 @@ def grpo_config(options: RLOptions, output_dir: str | os.PathLike, report_to: st
                 processes: int = 1, bf16: bool = False):
     """TRL GRPOConfig for `options`.
 
-    loss_type "dapo": the clipped per-token losses are summed over every completion token of the
-    step and divided by that token count (all processes, all micro-batches) -- VERL's
-    `loss_agg_mode: token-mean`, which the official runs use. TRL's "grpo" would first average each
-    sequence (long responses weigh less per token), "bnpo" averages per micro-batch only, and
-    "dr_grpo" divides by a fixed max length. Advantages are normalised by the group std
-    (`scale_rewards="group"`), as VERL's GRPO estimator does. max_steps and save_steps are given
-    to TRL in optimizer updates (x updates_per_step), so checkpoints fall between rollout batches.
+    Loss aggregation (`loss_type`), as read in TRL 1.16's `_compute_loss` and in the official
+    `dp_actor.update_policy` (use_dynamic_bsz=False in the official scripts): VERL takes the token
+    mean of the clipped per-token losses within each micro-batch (`loss_agg_mode: token-mean`) and
+    divides it by the number of micro-batches per optimizer update. TRL's "bnpo" is exactly that
+    (per micro-batch token mean / current_gradient_accumulation_steps), so the micro-batch size
+    (`per_device_batch_size`; official ppo_micro_batch_size_per_gpu = 2) is part of the objective.
+    TRL's "dapo" divides by the token count of the whole update instead (every token weighs the
+    same, whatever micro-batch it fell in); "grpo" averages each sequence first; "dr_grpo" divides
+    by a fixed max length. `dual_clip` is TRL's `delta` ("two-sided clipping": the ratio of the
+    unclipped term capped at delta). For a negative advantage A that gives |A| * max(min(r, c),
+    clip(r)) = |A| * min(c, max(r, clip(r))), VERL's dual-clip loss, in value and gradient; for a
+    positive one the cap never binds because c > 1 + epsilon_high. Advantages are normalised by
+    the group std (`scale_rewards="group"`), as VERL's GRPO estimator does. max_steps and
+    save_steps are given to TRL in optimizer updates (x updates_per_step), so checkpoints fall
+    between rollout batches.
 
     vLLM importance sampling is a param, off in every profile: TRL's correction weighs each
     sequence by exp(sum(trainer log-prob - sampling log-prob)), masked above 3. A forked rollout is
@@ -255,7 +276,9 @@ def grpo_config(options: RLOptions, output_dir: str | os.PathLike, report_to: st
         beta=options.beta,
         epsilon=options.epsilon,
         epsilon_high=options.epsilon_high,
-        loss_type="dapo",
+        delta=options.dual_clip,
+        weight_decay=options.weight_decay,
+        loss_type=options.loss_type,
         scale_rewards="group",
         temperature=options.temperature,
         top_p=options.top_p,
@@ -374,6 +397,7 @@ def train_rl(options: RLOptions, init_dir: str | os.PathLike, rows: Sequence[Map
         _keep_trl_off_vllm()
     from parallel_r1.training.grpo_trainer import (
         ParallelGRPOTrainer,
+        ScaffoldSwitch,
         SnapshotCallback,
         save_policy,
         step_records,
@@ -399,15 +423,21 @@ def train_rl(options: RLOptions, init_dir: str | os.PathLike, rows: Sequence[Map
     updates = options.updates_per_step
     snapshotter = SnapshotCallback(snapshot_dir, options.snapshot_every, updates) if snapshot_dir else None
     first_step = _checkpoint_step(resumed_from) // updates  # checkpoints fall between rollout batches
+    # the scaffold's switch: fresh optimizer and clip `epsilon` after switch_step (ScaffoldSwitch)
+    switch = ScaffoldSwitch(reward_config.switch_step, options.epsilon, updates) \
+        if options.reward == "scaffold" else None
     trainer = ParallelGRPOTrainer(
         model=model, reward_funcs=[build_reward(options.reward, reward_config, updates)], args=config,
         train_dataset=dataset, processing_class=tokenizer, structured=options.structured,
         rollout_func=rollout_function_for(options, engine, tokenizer, decode_dtype=decode_dtype,
                                           **(engine_options or {})),
-        callbacks=[no_checkpoint_at_the_end(), *([snapshotter] if snapshotter else []), *callbacks])
+        callbacks=[no_checkpoint_at_the_end(), *([snapshotter] if snapshotter else []),
+                   *([switch] if switch else []), *callbacks])
     check_sharding_active(trainer, f"rl@{options.run}")
     if snapshotter:
         snapshotter.trainer = trainer
+    if switch:
+        switch.trainer = trainer
     started = time.perf_counter()
     trainer.train(resume_from_checkpoint=resumed_from)
     train_seconds = time.perf_counter() - started

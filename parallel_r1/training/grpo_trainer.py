@@ -12,7 +12,8 @@
     gradient are exactly 0, so it only sets zero gradients, and the optimizer step it belongs to stays
     what it would have been (momentum, weight decay). Its clip ratios are logged as the 0 they are; its
     entropy (and Unseen's broken-block count) is not measured, so those average over the computed
-    micro-batches only. One process without DeepSpeed or FSDP only: a
+    micro-batches only. The conditions fail closed (`_gradient_is_zero`): each must be read positively
+    from TRL's attributes, so a TRL rename computes in full. One process without DeepSpeed or FSDP only: a
     skipped forward would leave other processes waiting in a collective, and sharded parameters are
     not the tensors the zero gradient is set on.
   - Each rollout batch is timed and measured; the numbers go through TRL's own metric buffer, so
@@ -23,7 +24,8 @@
 `EpochSeededRepeatSampler` makes the prompt order a function of (seed, epoch), so a run resumed
 from a checkpoint sees the prompts the uninterrupted run saw.
 
-`SnapshotCallback` exports the policy every N steps (the scaffold run's Figure 4 curve).
+`SnapshotCallback` exports the policy every N steps (the scaffold run's Figure 4 curve);
+`ScaffoldSwitch` makes the scaffold run's switch (fresh optimizer, clip 0.2).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from trl.trainer.utils import RepeatSampler
 
 from parallel_r1.format import PARALLEL_OPEN, count_blocks, parallel_position, path_diversity
 from parallel_r1.rewards import RewardConfig, reward_type_at
-from parallel_r1.structure import TagIds, structured_forward
+from parallel_r1.structure import TagIds, build_structure, structured_forward
 from parallel_r1.training.saving import save_full_model
 
 # The clip ratios TRL's _compute_loss logs per loss type: all exactly 0 when every advantage is 0 (TRL
@@ -157,12 +159,28 @@ class ParallelGRPOTrainer(GRPOTrainer):
 
     def _gradient_is_zero(self, model, inputs: Mapping[str, Any]) -> bool:
         """Whether this micro-batch's loss is 0 whatever the weights: every advantage 0, nothing but
-        the policy term (beta 0, no entropy bonus or router loss), a training step in one process whose
-        parameters are whole tensors (not DeepSpeed's or FSDP's shards)."""
-        return (model.training and self.accelerator.num_processes == 1 and self.beta == 0.0
-                and not self.is_deepspeed_enabled and not self.is_fsdp_enabled
-                and not getattr(self, "_entropy_bonus_enabled", False) and not self.aux_loss_enabled
-                and bool((inputs["advantages"] == 0).all()))
+        the policy term (beta 0, no entropy bonus or router loss), a loss type whose every term is a
+        multiple of the advantage, a training step in one process whose parameters are whole tensors
+        (not DeepSpeed's or FSDP's shards).
+
+        Fails closed: each condition must be positively known from the attribute TRL 1.16 sets, so a
+        renamed or missing attribute (a TRL upgrade) computes the micro-batch in full rather than
+        skip a real gradient.
+        """
+        def known(owner: Any, name: str, value: Any) -> bool:
+            return hasattr(owner, name) and getattr(owner, name) == value and type(getattr(owner, name)) is \
+                type(value)
+
+        no_extra_terms = (known(self, "beta", 0.0) and known(self, "_entropy_bonus_enabled", False)
+                          and known(self.args, "entropy_coef", 0.0)
+                          and known(self.args, "use_adaptive_entropy", False)
+                          and known(self, "aux_loss_enabled", False)
+                          and getattr(self, "loss_type", None) in CLIP_METRICS)
+        whole_tensors = (known(self, "is_deepspeed_enabled", False) and known(self, "is_fsdp_enabled", False)
+                         and self.accelerator.num_processes == 1)
+        advantages = inputs.get("advantages")
+        return (model.training and no_extra_terms and whole_tensors and isinstance(advantages, torch.Tensor)
+                and bool((advantages == 0).all()))
 
     def _generate_and_score_completions(self, *args, **kwargs):
         with self.step_times.adding_to("generate_and_score"):
@@ -205,13 +223,29 @@ class ParallelGRPOTrainer(GRPOTrainer):
             return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask,
                                                               logits_to_keep,
                                                               *args, **kwargs)
-        with structured_forward(model, self.tags) as stats:
+        with structured_forward(model, self.tags):
             result = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask,
                                                                 logits_to_keep,
                                                                 *args, **kwargs)
         mode = "train" if self.model.training else "eval"
-        self._metrics[mode]["structure/broken_blocks"].append(float(stats.broken_blocks))
+        self._metrics[mode]["structure/broken_blocks"].append(
+            float(completion_broken_blocks(input_ids, attention_mask, logits_to_keep, self.tags)))
         return result
+
+
+def completion_broken_blocks(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                             logits_to_keep: int, tags: TagIds) -> int:
+    """Broken blocks (misplaced tags, `structure.build_structure`) in the completions only: the last
+    `logits_to_keep` columns of TRL's prompt + completion batch.
+
+    The whole-sequence count `structured_forward` reports would also count the Parallel Thinking
+    prompt's own mentions of the tags ("Begin the block with <Parallel>", "</Parallel>" twice...),
+    which tokenize as the tag tokens: at least one broken block per Unseen sequence whatever the
+    model wrote. The prompt ends outside any block, so a completion parses the same on its own.
+    """
+    completion = input_ids[:, input_ids.shape[1] - logits_to_keep:]
+    mask = None if attention_mask is None else attention_mask[:, attention_mask.shape[1] - logits_to_keep:]
+    return build_structure(completion, mask, tags).broken_blocks
 
 
 class SnapshotCallback(TrainerCallback):
@@ -237,6 +271,53 @@ class SnapshotCallback(TrainerCallback):
             if target.exists():
                 shutil.rmtree(target)
             os.replace(staging, target)
+
+
+class ScaffoldSwitch(TrainerCallback):
+    """The scaffold run's switch (§4.5), as the official recipe makes it: after step `switch_step` a new
+    run starts from that checkpoint with accuracy-only rewards, clip 0.2 (no clip-higher) and a fresh
+    optimizer. Here the run continues in the same trainer: at the switch the optimizer's state is reset
+    in place (what a new AdamW would hold: no moments, step 0; the lr is constant with no warm-up, so a
+    new scheduler would give the same lr) and the upper clip becomes `epsilon` (the reward schedule
+    `scaffold` already turns accuracy-only there). A run resumed after the switch gets the clip again
+    and keeps its checkpoint's optimizer state, which is the post-switch optimizer's. What still differs
+    from a new VERL run: the prompt order continues instead of restarting from the first batch.
+    """
+
+    def __init__(self, switch_step: int, epsilon: float, updates_per_step: int = 1) -> None:
+        self.switch_update = switch_step * updates_per_step  # TRL's global_step counts optimizer updates
+        self.epsilon = epsilon
+        self.trainer: ParallelGRPOTrainer | None = None
+        self.switched_at: int | None = None  # the global_step at which the optimizer was reset (this run)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.trainer is not None and state.global_step >= self.switch_update:
+            self.trainer.epsilon_high = self.epsilon
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.trainer is None or state.global_step != self.switch_update:
+            return
+        reset_optimizer_state(self.trainer.optimizer)
+        self.trainer.epsilon_high = self.epsilon
+        self.switched_at = state.global_step
+
+
+def reset_optimizer_state(optimizer) -> None:
+    """Put `optimizer` (accelerate's wrapper, DeepSpeed's, or a torch optimizer) back to a new one's
+    state: every state tensor of the innermost torch optimizer zeroed in place (AdamW: moments 0,
+    step 0), so sharded or offloaded state keeps its placement."""
+    inner = optimizer
+    while not isinstance(inner, torch.optim.Optimizer) and hasattr(inner, "optimizer"):
+        inner = inner.optimizer
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(f"reset_optimizer_state: no torch optimizer inside {type(optimizer).__name__}")
+    for param_state in inner.state.values():
+        for value in param_state.values():
+            if isinstance(value, torch.Tensor):
+                value.zero_()
+    for group in inner.param_groups:  # optimizers that count steps per group (DeepSpeed's fused Adam)
+        if isinstance(group.get("step"), int):
+            group["step"] = 0
 
 
 def save_policy(trainer, folder: Path) -> None:

@@ -7,7 +7,8 @@ moved nothing, and so are the Table 3 pairs when their GSM8K run did not move. A
 run that was not resumed stores what it produced under a key of everything that decides it:
 the init model's digest (`weights_digest.model_digest`: tensor values and tokenizer), the prompt rows,
 every option but the run's name, its init's name and its checkpoint interval, the reward knobs, the
-dtype, the project's code and the library versions. A later run with the same key copies the model
+dtype as it resolves on this machine (bf16 or not, the rollouts' decode dtype), the CPU's kernel level,
+the project's code and the library versions. A later run with the same key copies the model
 folder of the run that stored it, once its weights are checked to still have the digest they had, with
 its step history and summary, instead of repeating minutes of rollouts that would come out bit for bit
 the same (tests/test_grpo.py trains both ways and compares). Entries live in data/memo/rl/ beside the
@@ -55,7 +56,15 @@ def run_key(options: Any, rows: Sequence[Mapping[str, Any]], init_dir: Path, rew
         return None
     settings = {key: value for key, value in asdict(options).items() if key not in NOT_DECIDING}
     rows_sha = hashlib.sha256(json.dumps(list(rows), sort_keys=True).encode()).hexdigest()
-    inputs = [digest, settings, asdict(rewards), dtype, rows_sha, launch, environment(CODE, LIBRARIES)]
+    # What `dtype` resolves to here, not only its name: whether this machine trains under bf16 and which
+    # dtype the rollouts decode in (a bf16 copy of the policy on a CPU with native bf16, the float32
+    # policy elsewhere); environment() adds the CPU's kernel level.
+    from parallel_r1.models import runs_in_bf16
+    from parallel_r1.training.grpo import decode_dtype_for
+
+    numerics = {"dtype": dtype, "bf16": runs_in_bf16(dtype),
+                "decode_dtype": decode_dtype_for(dtype, options.resolved_engine())}
+    inputs = [digest, settings, asdict(rewards), numerics, rows_sha, launch, environment(CODE, LIBRARIES)]
     text = json.dumps(inputs, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
 

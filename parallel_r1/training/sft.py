@@ -70,7 +70,13 @@ class SFTOptions:
 
     Optimisation: `batch_size` rows per optimizer update (the paper's 128), reached through
     gradient accumulation over `per_device_batch_size` rows x processes; AdamW with `lr`,
-    `weight_decay`, a linear warm-up over `warmup_ratio` of the steps, then `lr_scheduler`.
+    `weight_decay`, betas (`adam_beta1`, `adam_beta2`: the official SFT trainer's 0.9, 0.95), a
+    linear warm-up over `warmup_ratio` of the steps, then `lr_scheduler`. Loss
+    (`loss_normalization`): "sequence" = each sequence's token mean, averaged over sequences (the
+    official SFT trainer, `training/sft_loss.py`), "token" = TRL's token mean over the update.
+    `end_token` closes every completion: "eos" = the tokenizer's EOS (the official SFT dataset
+    appends `tokenizer.eos_token`), "end_of_turn" = the chat template's turn end (`<|im_end|>` for
+    Qwen). The rollout and evaluation engines stop at both, so either trains a model that stops.
     Sequences: prompt + completion cut to `max_length` tokens (the end is dropped; a block cut open
     keeps its paths independent). Attention (Unseen only): `dense` builds a 4D mask for SDPA (CPU, or
     GPU at short lengths), `flex` a FlexAttention BlockMask (GPU: compiled, block-sparse).
@@ -93,6 +99,10 @@ class SFTOptions:
     seed: int = 0
     probe_questions: int = field(default=16, metadata={"min": 0})
     probe_max_tokens: int = field(default=512, metadata={"min": 1})
+    adam_beta1: float = field(default=0.9, metadata={"min": 0})
+    adam_beta2: float = field(default=0.95, metadata={"min": 0})
+    loss_normalization: Literal["sequence", "token"] = "sequence"
+    end_token: Literal["eos", "end_of_turn"] = "eos"
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -123,6 +133,16 @@ def end_of_turn(tokenizer) -> str:
     return END_OF_TURN if END_OF_TURN in tokenizer.get_vocab() else tokenizer.eos_token
 
 
+def completion_end(tokenizer, end_token: Literal["eos", "end_of_turn"]) -> str:
+    """The text every SFT completion ends with: the tokenizer's EOS or the chat template's turn end."""
+    if end_token == "end_of_turn":
+        return end_of_turn(tokenizer)
+    if not tokenizer.eos_token:
+        name = getattr(tokenizer, "name_or_path", "?")
+        raise PipelineError(f"sft.end_token eos: tokenizer {name!r} has no EOS token")
+    return tokenizer.eos_token
+
+
 def _text_field(row: Mapping[str, Any], name: str, index: int, where: str) -> str:
     """`row[name]` as a non-empty string, else a one-line error naming the row."""
     value = row.get(name)
@@ -132,14 +152,15 @@ def _text_field(row: Mapping[str, Any], name: str, index: int, where: str) -> st
     return value
 
 
-def sft_dataset(rows: Sequence[Mapping[str, Any]], tokenizer, where: str = "SFT data"):
-    """TRL prompt-completion dataset: rendered Parallel Thinking prompt -> teacher completion + end of
-    turn."""
+def sft_dataset(rows: Sequence[Mapping[str, Any]], tokenizer, where: str = "SFT data",
+                end: str | None = None):
+    """TRL prompt-completion dataset: rendered Parallel Thinking prompt -> teacher completion + `end`
+    (`completion_end`; None = the end of turn)."""
     from datasets import Dataset
 
     if not rows:
         raise PipelineError(f"{where}: zero rows — the filter kept nothing")
-    end = end_of_turn(tokenizer)
+    end = end or end_of_turn(tokenizer)
     prompts, completions = [], []
     for index, row in enumerate(rows, start=1):
         question, completion = (_text_field(row, name, index, where) for name in ("question", "completion"))
@@ -209,6 +230,10 @@ def sft_config(options: SFTOptions, output_dir: str | os.PathLike, eos_token: st
         gradient_accumulation_steps=options.gradient_accumulation_steps(processes),
         learning_rate=options.lr,
         weight_decay=options.weight_decay,
+        adam_beta1=options.adam_beta1,
+        adam_beta2=options.adam_beta2,
+        # "sequence": SequenceMeanSFTTrainer scales its own loss; TRL's token count is then unused
+        average_tokens_across_devices=options.loss_normalization == "token",
         warmup_steps=options.warmup_ratio,  # a float < 1 is a share of max_steps
         lr_scheduler_type=options.lr_scheduler,
         max_steps=options.max_steps,
@@ -253,11 +278,15 @@ def make_trainer(options: SFTOptions, model, tokenizer, dataset, output_dir: str
     """SFTTrainer for `options` over a `sft_dataset`; Unseen gets its collator and the mask hook."""
     from trl import SFTTrainer
 
+    from parallel_r1.training.sft_loss import SequenceMeanSFTTrainer
+
+    trainer_class = SequenceMeanSFTTrainer if options.loss_normalization == "sequence" else SFTTrainer
+
     tags = TagIds.from_tokenizer(tokenizer) if options.structured else None
-    config = sft_config(options, output_dir, end_of_turn(tokenizer), report_to, bf16=bf16,
-                        processes=processes)
+    config = sft_config(options, output_dir, completion_end(tokenizer, options.end_token), report_to,
+                        bf16=bf16, processes=processes)
     collator = ParallelSFTCollator(tokenizer.pad_token_id, tags, config.pad_to_multiple_of)
-    trainer = SFTTrainer(model=model, args=config, data_collator=collator, train_dataset=dataset,
+    trainer = trainer_class(model=model, args=config, data_collator=collator, train_dataset=dataset,
                          processing_class=tokenizer, callbacks=[no_checkpoint_at_the_end(), *callbacks])
     if options.structured:
         assert trainer.model is not None  # SFTTrainer keeps the model it was given
@@ -279,7 +308,7 @@ def train_sft(options: SFTOptions, base_dir: str | os.PathLike, rows: Sequence[M
     state = process_state()
     base_dir, out_dir, checkpoint_dir = Path(base_dir), Path(out_dir), Path(checkpoint_dir)
     model, tokenizer = load_model(base_dir, "float32", attn_implementation=options.attn_implementation)
-    dataset = sft_dataset(rows, tokenizer, where)
+    dataset = sft_dataset(rows, tokenizer, where, completion_end(tokenizer, options.end_token))
     resumed_from = resume_point(checkpoint_dir, _fingerprint(options, dataset, base_dir), state)
     trainer = make_trainer(options, model, tokenizer, dataset, checkpoint_dir, report_to=report_to,
                            bf16=runs_in_bf16(dtype),
