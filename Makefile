@@ -33,7 +33,7 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 3
 XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-.PHONY: setup run test test-fast lint bench ui clean help
+.PHONY: setup run test test-fast lint bench ui worker clean help
 
 help:
 	@echo "make run    - set up .venv and run the whole pipeline (dvc repro) on params.yaml's profile"
@@ -41,6 +41,8 @@ help:
 	@echo "make test   - set up .venv and run the test suite"
 	@echo "make lint   - ruff (pyflakes, bugbear, simplify, isort, lines <= 110) and mypy, as CI runs them"
 	@echo "make ui     - Prefect + MLflow servers on 127.0.0.1 with the deployments served"
+	@echo "make worker - serve this clone as a worker of the Prefect work pool POOL (sweeps fan out to it;"
+	@echo "              PREFECT_API_URL and MLFLOW_TRACKING_URI: the lab's servers; docs/scale_out.md)"
 	@echo "make bench  - benchmarks (ratios against a baseline measured in the same run)"
 
 setup: $(VENV)/.installed
@@ -83,6 +85,17 @@ bench: setup
 
 ui: setup
 	$(WITH_ALLOCATOR) $(BIN)/python -m flows.ui
+
+# A worker of the work pool that sweeps (`python -m flows.sweep ... --pool $(POOL)`) fan out to, serving this
+# clone: start one on every machine with a clone (docs/scale_out.md). PREFECT_API_URL and MLFLOW_TRACKING_URI
+# must name the lab's servers (the sqlite default above is this machine's). DVC_REMOTE overrides this clone's
+# DVC remote (.dvc/config.local): a shared path, s3://..., gs://... WORKER_LIMIT: experiments at a time.
+POOL ?= parallel-r1
+WORKER_LIMIT ?= 1
+DVC_REMOTE ?=
+worker: setup
+	$(if $(DVC_REMOTE),$(BIN)/dvc remote modify --local storage url $(DVC_REMOTE))
+	$(WITH_ALLOCATOR) $(BIN)/python -m flows.workpool worker --pool $(POOL) --limit $(WORKER_LIMIT)
 
 clean:
 	rm -rf .pytest_cache .hypothesis

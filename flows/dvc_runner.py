@@ -59,6 +59,26 @@ def plan_stages(targets: Iterable[str] = (), root: str | os.PathLike = ".") -> l
         raise PipelineError(f"dvc.yaml: cannot plan targets {list(targets) or 'all'}: {first}") from None
 
 
+def plan_graph(targets: Iterable[str] = (), root: str | os.PathLike = ".") -> dict[str, list[str]]:
+    """`plan_stages` with each stage's upstream stages (those of the plan it depends on directly), in
+    DVC's order: what a scheduler needs to run independent stages at once."""
+    from dvc.exceptions import DvcException
+    from dvc.repo import Repo
+    from dvc.repo.reproduce import get_active_graph, plan_repro
+
+    try:
+        with contextlib.chdir(root), Repo(os.fspath(root)) as repo:
+            graph = get_active_graph(repo.index.graph)
+            stages = [info.stage for target in (list(targets) or ["dvc.yaml"])
+                      for info in repo.stage.collect_granular(target)]
+            planned = plan_repro(graph, list(dict.fromkeys(stages)))
+            return {stage.addressing: [up.addressing for up in graph.successors(stage) if up in planned]
+                    for stage in planned}
+    except DvcException as err:
+        first = str(err).strip().splitlines()[0]
+        raise PipelineError(f"dvc.yaml: cannot plan targets {list(targets) or 'all'}: {first}") from None
+
+
 def dvc_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """`env` (default os.environ) with this interpreter's bin folder first on PATH."""
     out = dict(os.environ if env is None else env)

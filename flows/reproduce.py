@@ -10,19 +10,33 @@ seconds. A task retries only when DVC could not take its lock (another DVC proce
 stage's own failure: the flow then fails with the stage's one-line error. Stage runs in MLflow
 nest under this flow's run (env PARALLEL_R1_PARENT_RUN_ID); the flow ends by writing
 reports/run_summary.md.
+
+    python -m flows.reproduce --pool parallel-r1           # independent stages on the pool's workers
+
+With `pool`, stages run in rounds: a stage is ready when its upstream stages are done (`plan_graph`).
+When two or more ready stages need running (none depends on another: the evaluations of different
+checkpoints, RL runs whose inputs exist), the workspace pushes its outputs and DVC's run cache to the
+DVC remote and its commit to the git remote, and each of them runs on a worker of the pool
+(flows/pool_stage.py), which pushes its outputs and run-cache entry back. The workspace then runs them
+as without a pool, with `dvc repro --pull`: DVC pulls the run cache, finds the workers' entries and
+checks their outputs out instead of recomputing them, so dvc.lock is the one a one-machine run writes.
+The workers run the last commit, so tracked files other than dvc.lock must be committed.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from datetime import datetime
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from flows.dvc_runner import DvcCommandError, TransientDvcError, plan_stages, run_dvc
+from flows import workpool
+from flows.dvc_runner import DvcCommandError, TransientDvcError, dvc_json, plan_graph, plan_stages, run_dvc
+from flows.remote import push_baseline
 from parallel_r1 import tracking
 from parallel_r1.run_summary import write_run_summary
 from stages.common import load_params
@@ -38,25 +52,31 @@ def retry_only_transient(task, task_run, state) -> bool:
 
 @task(name="dvc-stage", task_run_name="{stage}", retries=2, retry_delay_seconds=10,
       retry_condition_fn=retry_only_transient, cache_policy=NO_CACHE)
-def repro_stage(stage: str, force: bool, parent_run_id: str | None, root: str) -> str:
-    """`dvc repro --single-item <stage>`; returns "ran" or "up to date"."""
+def repro_stage(stage: str, force: bool, parent_run_id: str | None, root: str, pull: bool = False) -> str:
+    """`dvc repro --single-item <stage>` (`--pull`: first from the DVC remote and its run cache);
+    returns "ran", "up to date" or "restored" (from the run cache)."""
     logger = get_run_logger()
-    args = ["repro", "--single-item", *(["--force"] if force else []), stage]
+    args = ["repro", "--single-item", *(["--force"] if force else []), *(["--pull"] if pull else []), stage]
     try:
         lines = run_dvc(args, cwd=root, env=tracking.child_env(parent_run_id), echo=logger.info)
     except DvcCommandError as err:
         raise type(err)(f"stage {stage}: {err}") from None
-    return "up to date" if any("didn't change, skipping" in line for line in lines) else "ran"
+    if any("didn't change, skipping" in line for line in lines):
+        return "up to date"
+    return "restored" if any("is cached - skipping run" in line for line in lines) else "ran"
 
 
 @flow(name="reproduce")
-def reproduce(targets: list[str] = [], profile: str | None = None, force: bool = False) -> dict[str, str]:  # noqa: B006
+def reproduce(targets: list[str] = [], profile: str | None = None, force: bool = False,  # noqa: B006
+              pool: str | None = None, git_remote: str = "origin") -> dict[str, str]:
     """Reproduce DVC `targets` (stages or outputs; none = everything) stage by stage.
 
     profile: small | tiny | paper — composed into params.yaml first when given (`stages.profiles`; refused
         when params.yaml holds hand edits), so the outputs match it.
     force: rerun every planned stage even when up to date.
-    Returns {stage: "ran" | "up to date"} in the order the stages ran.
+    pool: a Prefect work pool: ready stages that can run at once go to its workers (make worker).
+    git_remote: with a pool, the git remote the workers clone the workspace's commit from.
+    Returns {stage: "ran" | "up to date" | "restored"} in the order the stages ran.
     """
     root = Path.cwd()
     if profile:
@@ -69,13 +89,62 @@ def reproduce(targets: list[str] = [], profile: str | None = None, force: bool =
     outcome: dict[str, str] = {}
     started = time.monotonic()
     with tracking.parent_run(name, params={"tracking": params.get("tracking") or {}, "targets": targets,
-                                           "force": force}, tags=run_tags) as run_id:
-        for stage in stages:
-            outcome[stage] = repro_stage(stage, force, run_id, str(root))
+                                           "force": force, "pool": pool or ""}, tags=run_tags) as run_id:
+        if pool is None:
+            for stage in stages:
+                outcome[stage] = repro_stage(stage, force, run_id, str(root))
+        else:
+            _fan_out(pool, git_remote, targets, root, force, run_id, outcome)
         summary = write_run_summary(root, name, load_params(root / PARAMS_FILE), time.monotonic() - started,
                                     run_id)
     get_run_logger().info("run summary: %s", summary)
     return outcome
+
+
+def _fan_out(pool: str, git_remote: str, targets: list[str], root: Path, force: bool, run_id: str | None,
+             outcome: dict[str, str]) -> None:
+    """Greedy rounds: the stages whose upstream stages are done are ready; up-to-date ones are confirmed
+    here first (they may make more stages ready); then, when two or more ready stages must run, they go
+    to the pool at once and are restored here from the run cache; a lone one runs here."""
+    reproduce_id = datetime.now().strftime("reproduce-%m%d-%H%M%S")
+    upstream = plan_graph(targets, root)
+    done: set[str] = set()
+    ref = None
+    while len(done) < len(upstream):
+        ready = [stage for stage, ups in upstream.items() if stage not in done and set(ups) <= done]
+        fresh = [] if force else [stage for stage in ready if not _stale(root, stage)]
+        for stage in fresh:
+            outcome[stage] = repro_stage(stage, False, run_id, str(root))
+        done.update(fresh)
+        if fresh:
+            continue
+        sent = ready if len(ready) > 1 else []
+        if sent:
+            ref = ref or push_baseline(root, git_remote, reproduce_id, allowed={"dvc.lock"})
+            run_dvc(["push", "--run-cache"], cwd=root, echo=get_run_logger().info)  # their inputs
+            _run_on_pool(pool, sent, ref, run_id, force, git_remote, reproduce_id)
+        for stage in ready:  # a worker's stage is restored from the run cache here, not run again
+            outcome[stage] = repro_stage(stage, force and not sent, run_id, str(root), pull=bool(sent))
+        done.update(ready)
+
+
+def _stale(root: Path, stage: str) -> bool:
+    """Whether `dvc status` says the stage must run (changed deps, params, outputs or command)."""
+    return bool(dvc_json(["status", "--json", stage], cwd=root))  # this stage only (no --with-deps)
+
+
+def _run_on_pool(pool: str, stages: list[str], ref: str, parent_run_id: str | None, force: bool,
+                 git_remote: str, reproduce_id: str) -> None:
+    """Each stage a `pool-stage` flow run on the pool; waits for all; one line naming those that failed."""
+    logger = get_run_logger()
+    runs = [{"stage": stage, "baseline_ref": ref, "parent_run_id": parent_run_id, "force": force,
+             "git_remote": git_remote} for stage in stages]
+    launched = workpool.launch(pool, "pool-stage", runs, stages, f"reproduce:{reproduce_id}")
+    finished = workpool.wait([run.id for run in launched], echo=logger.info)
+    failed = [f"{run.name} ({run.state.type.value}: {run.state.message})" for run in finished.values()
+              if not run.state.is_completed()]
+    if failed:
+        raise DvcCommandError(f"{reproduce_id}: stages failed on pool {pool!r}: {'; '.join(failed)}")
 
 
 def main() -> None:
@@ -83,8 +152,11 @@ def main() -> None:
     parser.add_argument("targets", nargs="*", help="DVC stages or outputs (default: all)")
     parser.add_argument("--profile", help="small | tiny | paper (composed into params.yaml first)")
     parser.add_argument("--force", action="store_true", help="rerun stages that are up to date")
+    parser.add_argument("--pool", help="Prefect work pool: independent stages on its workers (make worker)")
+    parser.add_argument("--git-remote", default="origin", help="with --pool: the git remote workers use")
     args = parser.parse_args()
-    reproduce(targets=args.targets, profile=args.profile, force=args.force)
+    reproduce(targets=args.targets, profile=args.profile, force=args.force, pool=args.pool,
+              git_remote=args.git_remote)
 
 
 if __name__ == "__main__":

@@ -3,17 +3,24 @@
     python -m flows.sweep parallel_r1_unseen_s1 --reward-schedules accuracy alternating --seeds 1 2
     python -m flows.sweep --target prepare_data --grid data.eval.aime24.limit=1,2   # any stage
 
-Each combination is one `dvc exp run --temp --name <name> -S <param>=<value> ... <target>`:
-`--temp` runs it in a temporary clone, so the workspace stays as it is and every experiment is
+    python -m flows.sweep ... --pool parallel-r1    # every experiment on the pool's workers at once
+
+On one machine (no pool), each combination is one `dvc exp run --temp --name <name> -S <param>=<value>
+... <target>`: `--temp` runs it in a temporary clone, so the workspace stays as it is and every experiment is
 kept under its name (`dvc exp show`, `dvc exp apply <name>`). They run one after another as
 Prefect tasks, each with its own MLflow run (parent of its stage runs) — the reason for `--temp`
 over `--queue` + `dvc queue start`: queue workers are long-lived daemons that outlive a sweep
 with their environment frozen, so a per-experiment parent run id cannot reach them.
+With `pool`, each combination is a flow run of the deployment `experiment/<pool>` (flows/experiment.py,
+flows/workpool.py), run by whichever worker of the pool is free, on any machine with a clone: the sweep
+pushes its commit to the git remote, launches them all, waits, and reads each one's row back; the
+experiments come back as git refs (`dvc exp pull origin`) with their data in the DVC remote.
 The flow ends with a comparison table (Prefect table artifact) and a markdown link to MLflow.
 
 Parameter paths set per combination: `rl_runs.<configuration>.reward`, `seed`, `profile`, and
 each `grid` key; the default target is `rl@<configuration>`.
-Experiments run from the last commit plus the workspace's changes to tracked files.
+Experiments run from the last commit plus the workspace's changes to tracked files (on a pool: from the
+last commit, and changes to tracked files are refused).
 """
 
 from __future__ import annotations
@@ -30,7 +37,9 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
+from flows import workpool
 from flows.dvc_runner import DvcCommandError, dvc_json, experiment_metrics, run_dvc
+from flows.remote import push_baseline
 from flows.reproduce import PARAMS_FILE, retry_only_transient
 from parallel_r1 import tracking
 from parallel_r1.errors import PipelineError
@@ -112,7 +121,8 @@ def run_experiment(experiment: Experiment, run_id: str | None, root: str) -> Non
 @flow(name="sweep")
 def sweep(configurations: list[str], reward_schedules: list[str] = [], seeds: list[int] = [],  # noqa: B006
           profile: str = "tiny", target: str | None = None,
-          grid: dict[str, list[str]] = {}) -> list[dict]:  # noqa: B006
+          grid: dict[str, list[str]] = {}, pool: str | None = None,  # noqa: B006
+          git_remote: str = "origin") -> list[dict]:
     """Run every combination as a DVC experiment and compare them.
 
     configurations: names under params.yaml `rl_runs` (each sets the default target rl@<name>).
@@ -121,6 +131,10 @@ def sweep(configurations: list[str], reward_schedules: list[str] = [], seeds: li
     profile: tiny | paper, set as `profile`.
     target: DVC stage or output to run instead of rl@<configuration> ("{configuration}" allowed).
     grid: further axes, dotted param path -> values (e.g. {"rl.lr": ["1e-6", "3e-6"]}).
+    pool: a Prefect work pool: each experiment becomes a flow run of `experiment/<pool>` that any
+        worker of the pool runs (flows/experiment.py); none: one after another in this process.
+    git_remote: with a pool, the git remote the workers share (the sweep's commit and the
+        experiments travel through it).
     Returns the comparison rows; the flow fails at the end if any experiment failed.
     """
     root = Path.cwd()
@@ -129,36 +143,89 @@ def sweep(configurations: list[str], reward_schedules: list[str] = [], seeds: li
     sweep_id = datetime.now().strftime("sweep-%m%d-%H%M%S")
     experiments = plan_sweep(configurations, reward_schedules, seeds, profile, target, grid, sweep_id)
     logger = get_run_logger()
-    logger.info("%s: %d experiments", sweep_id, len(experiments))
-    rows, failures, run_ids = [], [], {}
+    logger.info("%s: %d experiments%s", sweep_id, len(experiments), f" on pool {pool!r}" if pool else "")
+    if pool:
+        baseline_ref = push_baseline(root, git_remote, sweep_id)  # before the MLflow run: refusal makes none
+        _check_shared_tracking()
     sweep_tags = {"flow": "sweep", "sweep_id": sweep_id, "prefect_flow_run_id": flow_run.get_id()}
     sweep_params = {"tracking": params.get("tracking") or {}, "configurations": configurations,
                     "reward_schedules": reward_schedules, "seeds": seeds, "profile": profile,
-                    "target": target or DEFAULT_TARGET, "grid": grid}
+                    "target": target or DEFAULT_TARGET, "grid": grid, "pool": pool or ""}
     mlflow_experiment = tracking.experiment_name(params)
-    with tracking.parent_run(sweep_id, params=sweep_params, tags=sweep_tags, experiment=mlflow_experiment) as sweep_run:
-        for experiment in experiments:
-            tags = {**experiment.labels, tracking.TAG_DVC_EXP: experiment.name, "sweep_id": sweep_id}
-            state = "success"
-            try:
-                with tracking.parent_run(experiment.name, params=experiment.override_dict(), tags=tags,
-                                         parent_run_id=sweep_run, experiment=mlflow_experiment) as run_id:
-                    run_ids[experiment.name] = run_id
-                    run_experiment(experiment, run_id, str(root))
-            except DvcCommandError as err:
-                state = str(err)
-                failures.append(experiment.name)
-            rows.append({"experiment": experiment.name, **experiment.labels, "target": experiment.target,
-                         "overrides": " ".join(experiment.overrides), "state": state,
-                         "mlflow_run_id": run_ids.get(experiment.name) or ""})
-        metrics = _experiment_metrics(root, [row["experiment"] for row in rows])
-        for row in rows:
-            row.update(metrics.get(row["experiment"], {}))
-            tracking.log_metrics(metrics.get(row["experiment"], {}), run_id=run_ids.get(row["experiment"]))
+    with tracking.parent_run(sweep_id, params=sweep_params, tags=sweep_tags,
+                             experiment=mlflow_experiment) as sweep_run:
+        if pool:
+            rows = _run_on_pool(experiments, pool, git_remote, baseline_ref, sweep_id, sweep_run)
+        else:
+            rows = _run_here(experiments, root, sweep_id, sweep_run, mlflow_experiment)
         _publish(rows, sweep_id, sweep_run)
+        failures = [row["experiment"] for row in rows if row["state"] != "success"]
         if failures:  # inside the run, so the sweep's MLflow run ends FAILED too
-            raise PipelineError(f"{sweep_id}: {len(failures)} of {len(rows)} experiments failed: {', '.join(failures)}")
+            raise PipelineError(f"{sweep_id}: {len(failures)} of {len(rows)} experiments failed: "
+                                f"{', '.join(failures)}")
     return rows
+
+
+def _run_here(experiments: list[Experiment], root: Path, sweep_id: str, sweep_run: str | None,
+              mlflow_experiment: str) -> list[dict]:
+    """One machine: each experiment a `dvc exp run --temp` task of this flow, one after another."""
+    rows, run_ids = [], {}
+    for experiment in experiments:
+        tags = {**experiment.labels, tracking.TAG_DVC_EXP: experiment.name, "sweep_id": sweep_id}
+        state = "success"
+        try:
+            with tracking.parent_run(experiment.name, params=experiment.override_dict(), tags=tags,
+                                     parent_run_id=sweep_run, experiment=mlflow_experiment) as run_id:
+                run_ids[experiment.name] = run_id
+                run_experiment(experiment, run_id, str(root))
+        except DvcCommandError as err:
+            state = str(err)
+        rows.append(_row(experiment, state, run_ids.get(experiment.name) or ""))
+    metrics = _experiment_metrics(root, [row["experiment"] for row in rows])
+    for row in rows:
+        row.update(metrics.get(row["experiment"], {}))
+        tracking.log_metrics(metrics.get(row["experiment"], {}), run_id=run_ids.get(row["experiment"]))
+    return rows
+
+
+def _run_on_pool(experiments: list[Experiment], pool: str, git_remote: str, baseline_ref: str, sweep_id: str,
+                 sweep_run: str | None) -> list[dict]:
+    """Many machines: every experiment a flow run on the pool at once; waits for all, reads their rows."""
+    logger = get_run_logger()
+    runs = [{"name": experiment.name, "target": experiment.target, "overrides": list(experiment.overrides),
+             "baseline_ref": baseline_ref, "sweep_id": sweep_id, "sweep_run_id": sweep_run,
+             "labels": experiment.labels, "git_remote": git_remote} for experiment in experiments]
+    launched = workpool.launch(pool, "experiment", runs, [experiment.name for experiment in experiments],
+                               workpool.SWEEP_TAG.format(sweep_id=sweep_id))
+    ids = [run.id for run in launched]
+    finished = workpool.wait(ids, echo=logger.info)
+    found = workpool.results(ids)
+    rows = []
+    for experiment, run_id in zip(experiments, ids, strict=True):
+        run = finished[run_id]
+        result = dict(found.get(run_id) or {})
+        ok = run.state.is_completed() and bool(result)
+        state = "success" if ok else f"{run.state.type.value}: {run.state.message or 'no result'}"
+        row = _row(experiment, state, result.pop("mlflow_run_id", ""))
+        row.update({"worker": result.pop("worker", ""),
+                    "start": run.start_time.isoformat(timespec="seconds") if run.start_time else "",
+                    "end": run.end_time.isoformat(timespec="seconds") if run.end_time else ""})
+        result.pop("experiment", None)
+        row.update(result)
+        rows.append(row)
+    return rows
+
+
+def _check_shared_tracking() -> None:
+    """Workers on other machines log to the sweep's MLflow store: it must be a server, not a local file."""
+    if tracking.enabled() and not tracking.tracking_uri().startswith(("http://", "https://")):
+        raise PipelineError(f"sweep on a pool: MLFLOW_TRACKING_URI is {tracking.tracking_uri()}, a local"
+                            " store; set it to the MLflow server every worker reaches (http://<host>:5000)")
+
+
+def _row(experiment: Experiment, state: str, mlflow_run_id: str) -> dict:
+    return {"experiment": experiment.name, **experiment.labels, "target": experiment.target,
+            "overrides": " ".join(experiment.overrides), "state": state, "mlflow_run_id": mlflow_run_id}
 
 
 def _experiment_metrics(root: Path, names: list[str]) -> dict[str, dict[str, float]]:
@@ -194,6 +261,8 @@ def main() -> None:
     parser.add_argument("--profile", default="tiny")
     parser.add_argument("--target", help="stage or output to run instead of rl@<configuration>")
     parser.add_argument("--grid", nargs="*", default=[], metavar="PATH=V1,V2", help="further param axes")
+    parser.add_argument("--pool", help="Prefect work pool: each experiment on a worker of it (make worker)")
+    parser.add_argument("--git-remote", default="origin", help="with --pool: the git remote workers share")
     args = parser.parse_args()
     grid = {}
     for item in args.grid:
@@ -202,7 +271,7 @@ def main() -> None:
         key, values = item.split("=", 1)
         grid[key] = values.split(",")
     sweep(configurations=args.configurations, reward_schedules=args.reward_schedules, seeds=args.seeds,
-          profile=args.profile, target=args.target, grid=grid)
+          profile=args.profile, target=args.target, grid=grid, pool=args.pool, git_remote=args.git_remote)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,122 @@
+"""Git and DVC remotes as the work pool uses them: how a sweep's commit and its results travel.
+
+A sweep on a pool runs on machines that share nothing but two remotes: the project's git remote
+(`origin` by default) and its DVC remote (`.dvc/config`, a filesystem path unless overridden in
+`.dvc/config.local`). The parent pushes the commit the sweep runs from to `refs/sweeps/<sweep id>`;
+each experiment runs in a private clone of that commit (so runs on one worker never share a
+work tree), whose DVC cache is the worker clone's cache (inputs are fetched once per machine)
+and whose remote is the worker clone's remote, resolved to an absolute URL (a relative path in
+.dvc/config is relative to the clone it is read in). Results go back as `dvc exp push`: the
+experiment's git ref to the git remote, its outputs and DVC's run cache to the DVC remote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Collection
+
+import yaml
+
+from parallel_r1.errors import PipelineError
+
+SWEEP_REF_PREFIX = "refs/sweeps/"
+
+
+def git(args: list[str], cwd: str | os.PathLike) -> str:
+    """`git <args>` in `cwd`; stdout; a one-line PipelineError with git's own last line on failure."""
+    done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                          check=False)
+    if done.returncode != 0:
+        lines = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()]
+        raise PipelineError(f"git {' '.join(args)} in {cwd}: {lines[-1].strip() if lines else 'failed'}")
+    return done.stdout.strip()
+
+
+def remote_url(root: Path, name: str) -> str:
+    """The URL of git remote `name` of `root`, a local path made absolute."""
+    url = git(["remote", "get-url", name], root)
+    if "://" not in url and ":" not in url.split("/", 1)[0] and not os.path.isabs(url):
+        url = str((root / url).resolve())
+    return url
+
+
+def push_baseline(root: Path, git_remote: str, run_id: str, allowed: Collection[str] = ()) -> str:
+    """Push HEAD to `refs/sweeps/<run_id>` on the git remote; returns that ref.
+
+    Workers run from a commit, so tracked files (but those in `allowed`) must be committed: one line
+    says which are not.
+    """
+    changed = git(["status", "--porcelain", "--untracked-files=no"], root)
+    files = [line[3:] for line in changed.splitlines() if line[3:] not in allowed]
+    if files:
+        raise PipelineError(f"work on a pool runs from a commit: commit or stash {', '.join(files[:5])}"
+                            f"{' ...' if len(files) > 5 else ''} first")
+    ref = f"{SWEEP_REF_PREFIX}{run_id}"
+    git(["push", "--quiet", git_remote, f"HEAD:{ref}"], root)
+    return ref
+
+
+def dvc_settings(root: Path) -> dict[str, str]:
+    """The worker clone's cache dir and default DVC remote (name, absolute URL) as `dvc config` keys."""
+    from dvc.repo import Repo
+
+    with Repo(os.fspath(root)) as repo:
+        config = repo.config
+        name = config["core"].get("remote")
+        if not name:
+            raise PipelineError(f"{root}/.dvc/config: no default DVC remote (dvc remote add -d storage URL)")
+        url = str(config["remote"][name]["url"])
+        cache_dir = repo.cache.local_cache_dir
+    return {"core.remote": name, f"remote.{name}.url": url, "cache.dir": str(cache_dir)}
+
+
+def private_clone(worker_clone: Path, git_remote: str, ref: str, destination: Path) -> Path:
+    """`destination`: a clone of `ref` from the worker clone's git remote, on its DVC cache and remote.
+
+    The worker clone's .dvc/config.local (credentials, a remote overridden for this machine) is copied
+    first; the remote URL and the cache dir are then written absolute.
+    """
+    settings = dvc_settings(worker_clone)
+    if destination.exists():
+        shutil.rmtree(destination)
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    url = remote_url(worker_clone, git_remote)
+    git(["clone", "--quiet", "--no-checkout", "--origin", git_remote, url, str(destination)], worker_clone)
+    git(["fetch", "--quiet", git_remote, ref], destination)
+    git(["checkout", "--quiet", "--detach", "FETCH_HEAD"], destination)
+    for key in ("user.name", "user.email"):  # DVC commits each experiment
+        with contextlib.suppress(PipelineError):
+            git(["config", key, git(["config", key], worker_clone)], destination)
+    local = worker_clone / ".dvc" / "config.local"
+    if local.is_file():
+        shutil.copy2(local, destination / ".dvc" / "config.local")
+    for key, value in settings.items():
+        _dvc_config(destination, key, value)
+    return destination
+
+
+def stage_outs(root: Path, stages: list[str]) -> dict[str, str]:
+    """{output path: DVC hash} of `stages` in root/dvc.lock (`<stage>@<key>` for foreach entries)."""
+    lock_path = root / "dvc.lock"
+    if not lock_path.is_file():
+        return {}
+    lock = (yaml.safe_load(lock_path.read_text()) or {}).get("stages") or {}
+    found: dict[str, str] = {}
+    for stage in stages:
+        for out in (lock.get(stage) or {}).get("outs") or []:
+            found[out["path"]] = out.get("md5") or out.get("etag") or out.get("checksum") or ""
+    return found
+
+
+def _dvc_config(root: Path, key: str, value: str) -> None:
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "dvc", "config", "--local", key, value], cwd=root,
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL, check=False)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["failed"])[-1]
+        raise PipelineError(f"dvc config --local {key} {value} in {root}: {last}")

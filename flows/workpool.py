@@ -1,0 +1,175 @@
+"""The work pool a sweep fans out to: its `experiment` deployment, its workers, launching and waiting.
+
+    python -m flows.workpool worker --pool parallel-r1       # what `make worker` runs, in any clone
+    python -m flows.workpool timeline <sweep id>             # which worker ran which experiment, when
+    python -m flows.workpool timeline <reproduce id>         # the same for a fanned-out reproduce
+
+A pool is Prefect's: `process` type when this module creates it (each flow run a subprocess of a
+worker); create it as `kubernetes` or `docker` beforehand (`prefect work-pool create --type ...`) and
+the same deployment runs there — the code does not change, only the pool. The deployment
+`experiment/<pool>` (flows/experiment.py) carries one pull step, `set_working_directory` to
+`{{ $PARALLEL_R1_CLONE }}`: each worker exports its own clone's path (the Makefile does), so one
+deployment serves clones at different paths on different machines. Both the sweep and each worker
+register the pool and the deployment (idempotent), so neither has to come first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from parallel_r1.errors import PipelineError
+
+DEFAULT_POOL = "parallel-r1"
+CLONE_ENV = "PARALLEL_R1_CLONE"
+# flow name -> entrypoint (path:function from the clone's root), each deployed as <flow>/<pool>
+ENTRYPOINTS = {"experiment": "flows/experiment.py:experiment", "pool-stage": "flows/pool_stage.py:pool_stage"}
+SWEEP_TAG = "sweep:{sweep_id}"
+POLL_S = 2.0
+
+
+def register(pool: str) -> None:
+    """Create the pool (process type) when missing and (re)write its deployments (`ENTRYPOINTS`)."""
+    from prefect import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+    from prefect.utilities.callables import parameter_schema
+    from prefect.workers.process import ProcessWorker
+
+    from flows.experiment import experiment
+    from flows.pool_stage import pool_stage
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_work_pool(pool)
+        except ObjectNotFound:
+            template = ProcessWorker.get_default_base_job_template()
+            with contextlib.suppress(ObjectAlreadyExists):  # another worker or sweep created it meanwhile
+                client.create_work_pool(WorkPoolCreate(name=pool, type="process", base_job_template=template))
+        for flow in (experiment, pool_stage):
+            client.create_deployment(
+                flow_id=client.create_flow_from_name(flow.name), name=pool, work_pool_name=pool,
+                entrypoint=ENTRYPOINTS[flow.name], tags=["parallel-r1"],
+                description=(flow.description or "").split("\n")[0],
+                parameter_openapi_schema=parameter_schema(flow).model_dump_for_openapi(),
+                pull_steps=[{"prefect.deployments.steps.set_working_directory":
+                             {"directory": "{{ $" + CLONE_ENV + " }}"}}])
+
+
+def launch(pool: str, flow_name: str, runs: list[dict[str, Any]], names: list[str], tag: str) -> list:
+    """One flow run of `<flow_name>/<pool>` per parameter dict, named by `names`; returns them at once.
+
+    Called inside a flow (sweep, reproduce), so each shows in the UI as a subflow run of it.
+    """
+    from prefect.deployments import run_deployment
+
+    register(pool)
+    return [run_deployment(f"{flow_name}/{pool}", parameters=parameters, flow_run_name=name, timeout=0,
+                           tags=["parallel-r1", tag])
+            for parameters, name in zip(runs, names, strict=True)]
+
+
+def wait(flow_run_ids: list, echo=print, poll_s: float = POLL_S) -> dict:
+    """Poll the API until every flow run is in a final state; returns {id: FlowRun}."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    reported: dict = {}
+    while True:
+        with get_client(sync_client=True) as client:
+            runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=flow_run_ids)))
+        for run in runs:
+            state = run.state.type.value if run.state else "UNKNOWN"
+            if reported.get(run.id) != state:
+                reported[run.id] = state
+                echo(f"{run.name}: {state}")
+        if len(runs) == len(flow_run_ids) and all(run.state and run.state.is_final() for run in runs):
+            return {run.id: run for run in runs}
+        time.sleep(poll_s)
+
+
+def results(flow_run_ids: list, key: str = "experiment-result") -> dict:
+    """{flow run id: the row its result artifact (`key`) holds}."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=flow_run_ids), key=ArtifactFilterKey(any_=[key])))
+    found = {}
+    for artifact in artifacts:
+        data = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
+        if data:
+            found[artifact.flow_run_id] = data[0]
+    return found
+
+
+def timeline(tag: str, key: str = "experiment-result") -> list[dict[str, str]]:
+    """The flow runs tagged `tag` (`sweep:<id>`, `reproduce:<id>`) as the API has them: name, worker (from
+    their result artifacts `key`), state, start, end (UTC), by start time."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[tag])))
+    rows_by_id = results([run.id for run in runs], key) if runs else {}
+    table = []
+    for run in sorted(runs, key=lambda run: (run.start_time is None, run.start_time or 0, run.name)):
+        table.append({"name": run.name, "worker": (rows_by_id.get(run.id) or {}).get("worker", ""),
+                      "state": run.state.type.value if run.state else "",
+                      "start": run.start_time.isoformat(timespec="seconds") if run.start_time else "",
+                      "end": run.end_time.isoformat(timespec="seconds") if run.end_time else ""})
+    return table
+
+
+def worker_command(pool: str, limit: int, name: str) -> list[str]:
+    """`prefect worker start` for the pool, as `make worker` runs it."""
+    return [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process",
+            "--limit", str(limit), "--name", name]
+
+
+def start_worker(pool: str, limit: int, root: Path) -> None:
+    """Register the pool and deployment, then become a worker of it, serving this clone."""
+    from prefect.settings import PREFECT_API_URL
+
+    if not PREFECT_API_URL.value():
+        raise PipelineError("worker: PREFECT_API_URL is not set; point it at the Prefect server every machine"
+                            " reaches (e.g. http://<host>:4200/api)")
+    register(pool)
+    name = f"{socket.gethostname()}-{root.name}"
+    os.environ[CLONE_ENV] = str(root)
+    print(f"worker {name} of pool {pool!r} (at most {limit} experiment(s) at a time)", flush=True)
+    os.execv(sys.executable, worker_command(pool, limit, name))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="the sweep work pool: a worker, or a sweep's timeline")
+    commands = parser.add_subparsers(dest="command", required=True)
+    worker = commands.add_parser("worker", help="serve this clone as a worker of the pool")
+    worker.add_argument("--pool", default=os.environ.get("PARALLEL_R1_POOL", DEFAULT_POOL))
+    worker.add_argument("--limit", type=int, default=1, help="experiments at a time on this machine")
+    show = commands.add_parser("timeline", help="which worker ran which experiment of a sweep, and when")
+    show.add_argument("run_id", help="a sweep id (sweep-...) or a fanned-out reproduce's id (reproduce-...)")
+    args = parser.parse_args()
+    try:
+        if args.command == "worker":
+            start_worker(args.pool, args.limit, Path.cwd().resolve())
+        else:
+            kind = args.run_id.split("-", 1)[0]
+            key = "stage-result" if kind == "reproduce" else "experiment-result"
+            for row in timeline(f"{kind}:{args.run_id}", key):
+                widths = (("name", 28), ("worker", 40), ("state", 10), ("start", 25), ("end", 25))
+                print("  ".join(f"{row[key]:<{width}}" for key, width in widths))
+    except PipelineError as err:
+        sys.exit(f"error: {err}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""Scale-out across machines, on one: a sweep on a Prefect work pool served by two workers in two clones,
+through a bare git remote, the project's default filesystem DVC remote and one MLflow server.
+
+Every "machine" is a clone in a temporary folder; they share only what separate machines would: the git
+remote, the DVC remote (the default `../../parallel-r1-dvc-remote` of .dvc/config resolves to the same
+sibling folder for every clone here, as on a shared disk), the Prefect server and the MLflow server
+(both on 127.0.0.1, stopped by the fixture). The sweep runs `prepare_model` (tiny profile: a seeded
+random-init model, seconds) with four seeds, so each experiment produces a distinct model. The fan-out
+`reproduce` runs the project's real `evaluate` stage on two checkpoints; the second is a copy of the base
+model made by a test-only stage `twin` (the tiny pipeline has no second checkpoint that costs seconds).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flows import ui
+from stages.profiles import write_params
+from tests.conftest import copy_repo
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
+POOL = "test-pool"
+START_TIMEOUT_S = 300
+SWEEP_TIMEOUT_S = 900
+EVALUATIONS = ["evaluate@base", "evaluate@twin"]
+TWIN_STAGE = """
+  twin:                     # test only: a second checkpoint, a copy of the base model
+    cmd: cp -r models/base models/twin
+    deps: [models/base]
+    outs: [models/twin]
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def git(*args: str, cwd: Path) -> str:
+    return subprocess.run(["git", "-c", "user.name=test", "-c", "user.email=test@localhost", *args], cwd=cwd,
+                          check=True, capture_output=True, text=True).stdout.strip()
+
+
+def dvc(*args: str, cwd: Path, env: dict | None = None) -> str:
+    done = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=cwd, capture_output=True, text=True,
+                          env=env)
+    assert done.returncode == 0, f"dvc {' '.join(args)}: {done.stdout[-2000:]}{done.stderr[-2000:]}"
+    return done.stdout
+
+
+def md5(path: Path) -> str:
+    return hashlib.md5(path.read_bytes()).hexdigest()
+
+
+def wait_for_workers(api_url: str, workers: list, base: Path) -> None:
+    """Until both workers have registered with the pool (a worker that exits fails the test at once)."""
+    from prefect import get_client
+    from prefect.exceptions import ObjectNotFound
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    deadline = time.monotonic() + START_TIMEOUT_S
+    names: set[str] = set()
+    while len(names) < len(workers):
+        for worker in workers:
+            assert worker.process.poll() is None, (base / f"{worker.name}.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, f"workers not registered in time (seen: {names})"
+        time.sleep(1)
+        with temporary_settings(updates={PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
+            try:
+                names = {worker.name for worker in client.read_workers_for_work_pool(POOL)}
+            except ObjectNotFound:
+                names = set()
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory, mirror):
+    """A git remote; clones launcher, worker-a, worker-b, viewer; Prefect + MLflow servers; two workers."""
+    base = tmp_path_factory.mktemp("lab")
+    launcher = copy_repo(base / "launcher", mirror, "tiny")
+    pipeline = launcher / "conf" / "pipeline.yaml"
+    pipeline.write_text(re.sub(r"(?m)^(evaluate:\n  models:.*\n)(\s+[\[ ].*\n)+", r"\1    [base, twin]\n",
+                               pipeline.read_text(), count=1))
+    (launcher / "dvc.yaml").write_text((launcher / "dvc.yaml").read_text() + TWIN_STAGE)
+    write_params(launcher, "tiny")
+    git("commit", "-qam", "two checkpoints to evaluate", cwd=launcher)
+    origin = base / "origin.git"
+    subprocess.run(["git", "init", "-q", "--bare", "-b", "main", str(origin)], check=True)
+    git("remote", "add", "origin", str(origin), cwd=launcher)
+    git("push", "-q", "origin", "HEAD:refs/heads/main", cwd=launcher)
+    clones = {name: base / name for name in ("worker-a", "worker-b", "viewer")}
+    for clone in clones.values():
+        git("clone", "-q", str(origin), str(clone), cwd=base)
+    ports = {"prefect": free_port(), "mlflow": free_port()}
+    server_root = base / "servers"
+    server_root.mkdir()
+    env = dict(os.environ, PREFECT_API_URL=f"http://127.0.0.1:{ports['prefect']}/api",
+               MLFLOW_TRACKING_URI=f"http://127.0.0.1:{ports['mlflow']}", PREFECT_WORKER_QUERY_SECONDS="1",
+               PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1", DVC_NO_ANALYTICS="1")
+    env.pop("MLFLOW_EXPERIMENT_NAME", None)
+    services = []
+    try:
+        services.append(ui.start("Prefect server", ui.prefect_server_command(ports["prefect"]),
+                                 ui.prefect_server_env(server_root, ports["prefect"]), server_root,
+                                 f"{env['PREFECT_API_URL']}/health", server_root / "prefect.log"))
+        services.append(ui.start("MLflow server", ui.mlflow_server_command(ports["mlflow"], server_root),
+                                 ui.mlflow_server_env(server_root), server_root,
+                                 f"{env['MLFLOW_TRACKING_URI']}/health", server_root / "mlflow.log"))
+        for service in services:
+            ui.wait_healthy(service, START_TIMEOUT_S)
+        for name in ("worker-a", "worker-b"):
+            clone = clones[name]
+            services.append(ui.start(name, [sys.executable, "-m", "flows.workpool", "worker", "--pool", POOL,
+                                            "--limit", "1"],
+                                     dict(env, PYTHONPATH=str(clone), PREFECT_HOME=str(clone / ".prefect")),
+                                     clone, None, base / f"{name}.log"))
+        wait_for_workers(env["PREFECT_API_URL"], services[-2:], base)
+        yield {"base": base, "launcher": launcher, "env": env, "services": services, **clones}
+    finally:
+        ui.stop(list(reversed(services)))
+
+
+@pytest.fixture(scope="module")
+def pool_sweep(lab):
+    """`python -m flows.sweep --pool` from the launcher's CLI: 4 seeds of prepare_model; the sweep's rows."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.sweep import TABLE_KEY
+
+    env = dict(lab["env"], PYTHONPATH=str(lab["launcher"]), PREFECT_HOME=str(lab["launcher"] / ".prefect"))
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "flows.sweep", "--target", "prepare_model", "--grid",
+                           "model.tiny.seed=1,2,3,4", "--pool", POOL], cwd=lab["launcher"], env=env,
+                          capture_output=True, text=True, timeout=SWEEP_TIMEOUT_S)
+    logs = {name: (lab["base"] / f"{name}.log").read_text(errors="replace")[-3000:]
+            for name in ("worker-a", "worker-b")}
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}\n{logs}"
+    with temporary_settings(updates={PREFECT_API_URL: lab["env"]["PREFECT_API_URL"]}), \
+            get_client(sync_client=True) as client:
+        (table,) = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[TABLE_KEY])))
+    rows = json.loads(table.data) if isinstance(table.data, str) else table.data
+    print(f"\nsweep on 2 workers: {time.monotonic() - started:.0f} s from the CLI")
+    return rows
+
+
+def test_pool_sweep_runs_on_both_workers_and_every_experiment_nests_under_the_sweep_run(lab, pool_sweep):
+    from mlflow import MlflowClient
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.workpool import timeline
+
+    rows = pool_sweep
+    assert len(rows) == 4 and all(row["state"] == "success" for row in rows), rows
+    sweep_id = rows[0]["experiment"].rsplit("-", 1)[0]
+    with temporary_settings(updates={PREFECT_API_URL: lab["env"]["PREFECT_API_URL"]}):
+        runs = timeline(f"sweep:{sweep_id}")
+    for run in runs:  # the closing note's timeline
+        print(f"{run['name']:<24} {run['worker']:<20} {run['state']:<10} {run['start']} -> {run['end']}")
+    assert sorted(run["name"] for run in runs) == sorted(row["experiment"] for row in rows)
+    assert {run["state"] for run in runs} == {"COMPLETED"}
+    assert {run["worker"][-len("worker-a"):] for run in runs} == {"worker-a", "worker-b"}  # <host>-<clone>
+    client = MlflowClient(lab["env"]["MLFLOW_TRACKING_URI"])
+    experiment_id = client.get_experiment_by_name("parallel-r1").experiment_id
+    found = client.search_runs([experiment_id], filter_string=f"tags.sweep_id = '{sweep_id}'")
+    (sweep_run,) = [run for run in found if "dvc_exp_name" not in run.data.tags]
+    children = {run.data.tags["dvc_exp_name"]: run for run in found if "dvc_exp_name" in run.data.tags}
+    assert sorted(children) == sorted(row["experiment"] for row in rows)
+    assert {run.data.tags["mlflow.parentRunId"] for run in children.values()} == {sweep_run.info.run_id}
+    assert {run.info.status for run in [sweep_run, *children.values()]} == {"FINISHED"}
+    stage_runs = client.search_runs([experiment_id], filter_string="tags.stage = 'prepare_model'")
+    parents = {run.data.tags["mlflow.parentRunId"] for run in stage_runs}
+    assert parents >= {run.info.run_id for run in children.values()}
+
+
+def test_another_clone_lists_every_experiment_and_restores_its_model_byte_for_byte(lab, pool_sweep):
+    viewer, rows = lab["viewer"], pool_sweep
+    names = sorted(row["experiment"] for row in rows)
+    dvc("exp", "pull", "--no-cache", "origin", cwd=viewer)  # every experiment of HEAD, git refs only
+    shown = json.loads(dvc("exp", "show", "--json", cwd=viewer))
+    listed = {rev["name"] for baseline in shown for exp in baseline.get("experiments") or []
+              for rev in exp["revs"]}
+    assert set(names) <= listed
+    chosen = next(row for row in rows if row["experiment"] == names[-1])
+    recorded = json.loads(chosen["outs"])["models/base"]
+    # `exp apply` writes the experiment's files, then checks out every output of dvc.yaml: the ones with no
+    # data here yet (this one until `dvc pull`, stages never run) make it exit 255 after applying
+    applied = subprocess.run([sys.executable, "-m", "dvc", "exp", "apply", chosen["experiment"]], cwd=viewer,
+                             capture_output=True, text=True)
+    assert applied.returncode == 0 or "Is your cache up to date?" in applied.stderr, applied.stderr[-2000:]
+    dvc("pull", "prepare_model", cwd=viewer)
+    lock = yaml.safe_load((viewer / "dvc.lock").read_text())["stages"]["prepare_model"]
+    (out,) = lock["outs"]
+    assert out["md5"] == recorded
+    remote = lab["base"] / "parallel-r1-dvc-remote" / "files" / "md5"
+    manifest = json.loads((remote / recorded[:2] / recorded[2:]).read_text())
+    assert manifest
+    assert all(md5(viewer / "models" / "base" / entry["relpath"]) == entry["md5"] for entry in manifest)
+    other = next(row for row in rows if row["experiment"] == names[0])
+    assert json.loads(other["outs"])["models/base"] != recorded  # another seed, another model
+
+
+def test_fan_out_reproduce_of_two_evaluations_writes_the_dvc_lock_of_a_serial_run(lab):
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.workpool import results
+
+    base, launcher, env = lab["base"], lab["launcher"], lab["env"]
+    serial = base / "serial"
+    git("clone", "-q", str(base / "origin.git"), str(serial), cwd=base)
+    # a teammate's inputs: run, pushed (outputs, not the run cache) and committed; then both evaluations here
+    dvc("repro", "twin", "prepare_data", cwd=serial)
+    dvc("push", cwd=serial)
+    git("commit", "-qm", "inputs", "dvc.lock", cwd=serial)
+    git("push", "-q", "origin", "HEAD:main", cwd=serial)
+    started = time.monotonic()
+    dvc("repro", *EVALUATIONS, cwd=serial)
+    serial_s = time.monotonic() - started
+    git("pull", "-q", "--ff-only", "origin", "main", cwd=launcher)
+    dvc("pull", cwd=launcher)
+    launcher_env = dict(env, PYTHONPATH=str(launcher), PREFECT_HOME=str(launcher / ".prefect"))
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "flows.reproduce", *EVALUATIONS, "--pool", POOL],
+                          cwd=launcher, env=launcher_env, capture_output=True, text=True,
+                          timeout=SWEEP_TIMEOUT_S)
+    fan_out_s = time.monotonic() - started
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    print(f"\ntwo evaluations: serial dvc repro {serial_s:.0f} s, fan-out on 2 workers {fan_out_s:.0f} s")
+    with temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"]}), \
+            get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=EVALUATIONS)))
+        rows = results([run.id for run in runs], "stage-result")
+    workers = {run.name: rows[run.id]["worker"] for run in runs if run.id in rows}
+    assert sorted(run.name for run in runs) == EVALUATIONS and all(run.state.is_completed() for run in runs)
+    assert sorted(workers) == EVALUATIONS  # each ran on a worker, not in the workspace
+    serial_lock = yaml.safe_load((serial / "dvc.lock").read_text())["stages"]
+    fanned_lock = yaml.safe_load((launcher / "dvc.lock").read_text())["stages"]
+    for stage in EVALUATIONS:
+        assert fanned_lock[stage] == serial_lock[stage], stage
+    status = json.loads(dvc("status", "--json", *EVALUATIONS, cwd=launcher))
+    assert status == {}  # the outputs are in the workspace, as dvc.lock says
