@@ -6,6 +6,9 @@
 - `flows.serve`: both flows as deployments, so the Prefect UI can run and schedule them.
 - `flows.ui`: Prefect + MLflow servers on 127.0.0.1 with the deployments served (`make ui`).
 - `flows.make_run`: `dvc repro` under one MLflow parent run, no Prefect (`make run`).
+- `flows.workpool`: the Prefect work pool sweeps and `reproduce --pool` fan out to; `make worker`.
+- `flows.experiment`, `flows.pool_stage`: what a worker runs (one experiment; one stage), in a private
+  clone, through the git and DVC remotes (`flows.remote`). docs/scale_out.md tells the whole story.
 
 The flows run DVC in subprocesses from the project root (the working directory) and pass
 their MLflow run id down in env PARALLEL_R1_PARENT_RUN_ID, so stage runs nest under them.

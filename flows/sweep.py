@@ -35,6 +35,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.client.schemas.objects import StateType
 from prefect.runtime import flow_run
 
 from flows import workpool
@@ -47,6 +48,7 @@ from parallel_r1.rewards import REWARDS
 from stages.common import load_params
 
 DEFAULT_TARGET = "rl@{configuration}"
+CRASH_RETRIES = 2  # on a pool: launches of an experiment whose worker died, after the first
 TABLE_KEY = "sweep-comparison"
 LINK_KEY = "sweep-mlflow"
 
@@ -189,25 +191,39 @@ def _run_here(experiments: list[Experiment], root: Path, sweep_id: str, sweep_ru
 
 
 def _run_on_pool(experiments: list[Experiment], pool: str, git_remote: str, baseline_ref: str, sweep_id: str,
-                 sweep_run: str | None) -> list[dict]:
-    """Many machines: every experiment a flow run on the pool at once; waits for all, reads their rows."""
+                 sweep_run: str | None, crash_retries: int = CRASH_RETRIES) -> list[dict]:
+    """Many machines: every experiment a flow run on the pool at once; waits for all, reads their rows.
+
+    A run that Crashed (its worker died: flows/workpool.py) is launched again, up to `crash_retries`
+    times; a run that Failed (the stage's own error) is not. Other runs are never touched.
+    """
     logger = get_run_logger()
-    runs = [{"name": experiment.name, "target": experiment.target, "overrides": list(experiment.overrides),
-             "baseline_ref": baseline_ref, "sweep_id": sweep_id, "sweep_run_id": sweep_run,
-             "labels": experiment.labels, "git_remote": git_remote} for experiment in experiments]
-    launched = workpool.launch(pool, "experiment", runs, [experiment.name for experiment in experiments],
-                               workpool.SWEEP_TAG.format(sweep_id=sweep_id))
-    ids = [run.id for run in launched]
-    finished = workpool.wait(ids, echo=logger.info)
-    found = workpool.results(ids)
+    params = {experiment.name: {"name": experiment.name, "target": experiment.target,
+                                "overrides": list(experiment.overrides), "baseline_ref": baseline_ref,
+                                "sweep_id": sweep_id, "sweep_run_id": sweep_run, "labels": experiment.labels,
+                                "git_remote": git_remote} for experiment in experiments}
+    tag = workpool.SWEEP_TAG.format(sweep_id=sweep_id)
+    pending, finished, attempts = list(params), {}, dict.fromkeys(params, 0)
+    while pending:
+        launched = workpool.launch(pool, "experiment", [params[name] for name in pending], pending, tag)
+        for name in pending:
+            attempts[name] += 1
+        runs = workpool.wait([run.id for run in launched], echo=logger.info)
+        by_name = {run.name: run for run in runs.values()}
+        finished.update(by_name)
+        pending = [name for name, run in by_name.items()
+                   if run.state.type == StateType.CRASHED and attempts[name] <= crash_retries]
+        for name in pending:
+            logger.warning("%s crashed (%s): launching it again", name, by_name[name].state.message)
+    found = workpool.results([run.id for run in finished.values()])
     rows = []
-    for experiment, run_id in zip(experiments, ids, strict=True):
-        run = finished[run_id]
-        result = dict(found.get(run_id) or {})
+    for experiment in experiments:
+        run = finished[experiment.name]
+        result = dict(found.get(run.id) or {})
         ok = run.state.is_completed() and bool(result)
         state = "success" if ok else f"{run.state.type.value}: {run.state.message or 'no result'}"
         row = _row(experiment, state, result.pop("mlflow_run_id", ""))
-        row.update({"worker": result.pop("worker", ""),
+        row.update({"worker": result.pop("worker", ""), "attempts": attempts[experiment.name],
                     "start": run.start_time.isoformat(timespec="seconds") if run.start_time else "",
                     "end": run.end_time.isoformat(timespec="seconds") if run.end_time else ""})
         result.pop("experiment", None)

@@ -11,6 +11,9 @@ the same deployment runs there — the code does not change, only the pool. The 
 `{{ $PARALLEL_R1_CLONE }}`: each worker exports its own clone's path (the Makefile does), so one
 deployment serves clones at different paths on different machines. Both the sweep and each worker
 register the pool and the deployment (idempotent), so neither has to come first.
+
+A run whose worker dies is marked Crashed by the server (heartbeats + an automation, `ensure_crash_
+automation`); the sweep then launches it again (flows/sweep.py), and no other run is touched.
 """
 
 from __future__ import annotations
@@ -33,6 +36,12 @@ CLONE_ENV = "PARALLEL_R1_CLONE"
 ENTRYPOINTS = {"experiment": "flows/experiment.py:experiment", "pool-stage": "flows/pool_stage.py:pool_stage"}
 SWEEP_TAG = "sweep:{sweep_id}"
 POLL_S = 2.0
+# A flow run whose machine dies (a killed worker, a lost node) stays Running: nothing is left to report
+# its end. Workers make their flow runs send a heartbeat event every HEARTBEAT_S seconds (Prefect's
+# minimum is 30), and an automation marks a run Crashed when none came for SILENCE_S seconds.
+HEARTBEAT_S = 30
+SILENCE_S = 75
+CRASH_AUTOMATION = "parallel-r1: crash flow runs whose heartbeat stopped"
 
 
 def register(pool: str) -> None:
@@ -61,6 +70,32 @@ def register(pool: str) -> None:
                 parameter_openapi_schema=parameter_schema(flow).model_dump_for_openapi(),
                 pull_steps=[{"prefect.deployments.steps.set_working_directory":
                              {"directory": "{{ $" + CLONE_ENV + " }}"}}])
+
+
+def ensure_crash_automation(silence_s: int = SILENCE_S) -> None:
+    """Create (once per server) the automation that marks a flow run Crashed when its heartbeats stop
+    for `silence_s` seconds: Prefect's recipe for runs whose infrastructure died (detect-zombie-flows)."""
+    from datetime import timedelta
+
+    from prefect import get_client
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
+    from prefect.events.schemas.events import ResourceSpecification
+
+    with get_client(sync_client=True) as client:
+        if client.read_automations_by_name(name=CRASH_AUTOMATION):
+            return
+        finals = {f"prefect.flow-run.{name}" for name in ("Completed", "Failed", "Cancelled", "Crashed")}
+        client.create_automation(AutomationCore(
+            name=CRASH_AUTOMATION, description="a worker or its machine died: its flow run is marked Crashed",
+            trigger=EventTrigger(
+                after={"prefect.flow-run.heartbeat"}, expect={"prefect.flow-run.heartbeat", *finals},
+                match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
+                for_each={"prefect.resource.id"}, posture=Posture.Proactive, threshold=1,
+                within=timedelta(seconds=silence_s)),
+            actions=[ChangeFlowRunState(state=StateType.CRASHED,
+                                        message=f"no heartbeat for {silence_s} s: its worker died")]))
 
 
 def launch(pool: str, flow_name: str, runs: list[dict[str, Any]], names: list[str], tag: str) -> list:
@@ -143,8 +178,10 @@ def start_worker(pool: str, limit: int, root: Path) -> None:
         raise PipelineError("worker: PREFECT_API_URL is not set; point it at the Prefect server every machine"
                             " reaches (e.g. http://<host>:4200/api)")
     register(pool)
+    ensure_crash_automation()
     name = f"{socket.gethostname()}-{root.name}"
     os.environ[CLONE_ENV] = str(root)
+    os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(HEARTBEAT_S))  # inherited by each flow run
     print(f"worker {name} of pool {pool!r} (at most {limit} experiment(s) at a time)", flush=True)
     os.execv(sys.executable, worker_command(pool, limit, name))
 

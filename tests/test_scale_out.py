@@ -7,7 +7,8 @@ sibling folder for every clone here, as on a shared disk), the Prefect server an
 (both on 127.0.0.1, stopped by the fixture). The sweep runs `prepare_model` (tiny profile: a seeded
 random-init model, seconds) with four seeds, so each experiment produces a distinct model. The fan-out
 `reproduce` runs the project's real `evaluate` stage on two checkpoints; the second is a copy of the base
-model made by a test-only stage `twin` (the tiny pipeline has no second checkpoint that costs seconds).
+model with an RL run's rollout record, made by a test-only stage `twin` (the tiny pipeline has no second
+checkpoint that costs seconds).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -36,9 +38,11 @@ START_TIMEOUT_S = 300
 SWEEP_TIMEOUT_S = 900
 EVALUATIONS = ["evaluate@base", "evaluate@twin"]
 TWIN_STAGE = """
-  twin:                     # test only: a second checkpoint, a copy of the base model
-    cmd: cp -r models/base models/twin
-    deps: [models/base]
+  twin:                     # test only: a second checkpoint to evaluate, the base weights with the rollout
+    deps: [models/base]     # record an RL run writes beside its model
+    cmd:
+      - cp -r models/base models/twin
+      - 'printf %s ''{"prompt": "parallel", "variant": "seen", "parallel": true}'' > models/twin/rollout.json'
     outs: [models/twin]
 """
 
@@ -59,6 +63,13 @@ def dvc(*args: str, cwd: Path, env: dict | None = None) -> str:
                           env=env)
     assert done.returncode == 0, f"dvc {' '.join(args)}: {done.stdout[-2000:]}{done.stderr[-2000:]}"
     return done.stdout
+
+
+def listed_experiments(root: Path) -> set[str]:
+    """The names `dvc exp show` lists."""
+    shown = json.loads(dvc("exp", "show", "--json", cwd=root))
+    return {rev["name"] for baseline in shown for experiment in baseline.get("experiments") or []
+            for rev in experiment["revs"]}
 
 
 def md5(path: Path) -> str:
@@ -191,10 +202,7 @@ def test_another_clone_lists_every_experiment_and_restores_its_model_byte_for_by
     viewer, rows = lab["viewer"], pool_sweep
     names = sorted(row["experiment"] for row in rows)
     dvc("exp", "pull", "--no-cache", "origin", cwd=viewer)  # every experiment of HEAD, git refs only
-    shown = json.loads(dvc("exp", "show", "--json", cwd=viewer))
-    listed = {rev["name"] for baseline in shown for exp in baseline.get("experiments") or []
-              for rev in exp["revs"]}
-    assert set(names) <= listed
+    assert set(names) <= listed_experiments(viewer)
     chosen = next(row for row in rows if row["experiment"] == names[-1])
     recorded = json.loads(chosen["outs"])["models/base"]
     # `exp apply` writes the experiment's files, then checks out every output of dvc.yaml: the ones with no
@@ -227,7 +235,8 @@ def test_fan_out_reproduce_of_two_evaluations_writes_the_dvc_lock_of_a_serial_ru
     # a teammate's inputs: run, pushed (outputs, not the run cache) and committed; then both evaluations here
     dvc("repro", "twin", "prepare_data", cwd=serial)
     dvc("push", cwd=serial)
-    git("commit", "-qm", "inputs", "dvc.lock", cwd=serial)
+    git("add", "dvc.lock", cwd=serial)
+    git("commit", "-qm", "inputs", cwd=serial)
     git("push", "-q", "origin", "HEAD:main", cwd=serial)
     started = time.monotonic()
     dvc("repro", *EVALUATIONS, cwd=serial)
@@ -255,3 +264,50 @@ def test_fan_out_reproduce_of_two_evaluations_writes_the_dvc_lock_of_a_serial_ru
         assert fanned_lock[stage] == serial_lock[stage], stage
     status = json.loads(dvc("status", "--json", *EVALUATIONS, cwd=launcher))
     assert status == {}  # the outputs are in the workspace, as dvc.lock says
+
+
+def test_a_worker_killed_mid_experiment_crashes_its_run_which_is_retried_and_the_other_is_untouched(lab):
+    """Runs last in this module: it kills a worker. The sweep's experiments run one per worker; the one on
+    the killed worker is marked Crashed by the server (its heartbeats stop) and runs again on the other."""
+    from mlflow import MlflowClient
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.workpool import timeline
+
+    base, launcher, env = lab["base"], lab["launcher"], lab["env"]
+    git("pull", "-q", "--ff-only", "origin", "main", cwd=launcher)
+    launcher_env = dict(env, PYTHONPATH=str(launcher), PREFECT_HOME=str(launcher / ".prefect"))
+    sweep = subprocess.Popen([sys.executable, "-m", "flows.sweep", "--target", "prepare_model", "--grid",
+                              "model.tiny.seed=5,6", "--pool", POOL], cwd=launcher, env=launcher_env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    workers = {service.name: service for service in lab["services"] if service.name.startswith("worker-")}
+    deadline = time.monotonic() + SWEEP_TIMEOUT_S
+    victim = None
+    while victim is None:  # a worker whose experiment has reached `dvc exp run` (its private clone exists)
+        assert sweep.poll() is None and time.monotonic() < deadline, sweep.stdout.read()[-3000:]
+        time.sleep(1)
+        victim = next((name for name in workers
+                       if any((base / name / ".dvc" / "tmp" / "pool").glob("sweep-*/dvc.yaml"))), None)
+    running = next((base / victim / ".dvc" / "tmp" / "pool").glob("sweep-*")).name.rsplit("-", 1)[0]
+    time.sleep(5)
+    os.killpg(workers[victim].process.pid, signal.SIGKILL)  # the worker and the flow run it started
+    output, _ = sweep.communicate(timeout=SWEEP_TIMEOUT_S)
+    assert sweep.returncode == 0, output[-3000:]
+    sweep_id = running.rsplit("-", 1)[0]
+    with temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"]}):
+        runs = timeline(f"sweep:{sweep_id}")
+    for run in runs:
+        print(f"{run['name']:<24} {run['worker']:<20} {run['state']:<10} {run['start']} -> {run['end']}")
+    states = sorted((run["name"], run["state"]) for run in runs)
+    other = next(run["name"] for run in runs if run["name"] != running)
+    assert states == sorted([(running, "CRASHED"), (running, "COMPLETED"), (other, "COMPLETED")])
+    (retried,) = [run for run in runs if run["name"] == running and run["state"] == "COMPLETED"]
+    assert not retried["worker"].endswith(victim)  # the survivor ran it
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    experiment_id = client.get_experiment_by_name("parallel-r1").experiment_id
+    found = client.search_runs([experiment_id], filter_string=f"tags.sweep_id = '{sweep_id}'")
+    finished = sorted(run.data.tags["dvc_exp_name"] for run in found
+                      if "dvc_exp_name" in run.data.tags and run.info.status == "FINISHED")
+    assert finished == sorted([running, other])
+    dvc("exp", "pull", "--no-cache", "origin", cwd=launcher)  # both came back through the git remote
+    assert {running, other} <= listed_experiments(launcher)
