@@ -242,7 +242,7 @@ def test_fan_out_reproduce_of_two_evaluations_writes_the_dvc_lock_of_a_serial_ru
     dvc("repro", *EVALUATIONS, cwd=serial)
     serial_s = time.monotonic() - started
     git("pull", "-q", "--ff-only", "origin", "main", cwd=launcher)
-    dvc("pull", cwd=launcher)
+    dvc("pull", "--with-deps", "twin", "prepare_data", cwd=launcher)
     launcher_env = dict(env, PYTHONPATH=str(launcher), PREFECT_HOME=str(launcher / ".prefect"))
     started = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "flows.reproduce", *EVALUATIONS, "--pool", POOL],
@@ -274,8 +274,9 @@ def test_a_worker_killed_mid_experiment_crashes_its_run_which_is_retried_and_the
 
     from flows.workpool import timeline
 
-    base, launcher, env = lab["base"], lab["launcher"], lab["env"]
-    git("pull", "-q", "--ff-only", "origin", "main", cwd=launcher)
+    base, env = lab["base"], lab["env"]
+    launcher = base / "crash-launcher"  # a clean clone: the other tests leave their workspaces changed
+    git("clone", "-q", str(base / "origin.git"), str(launcher), cwd=base)
     launcher_env = dict(env, PYTHONPATH=str(launcher), PREFECT_HOME=str(launcher / ".prefect"))
     sweep = subprocess.Popen([sys.executable, "-m", "flows.sweep", "--target", "prepare_model", "--grid",
                               "model.tiny.seed=5,6", "--pool", POOL], cwd=launcher, env=launcher_env,
