@@ -50,8 +50,8 @@ def push_baseline(root: Path, git_remote: str, run_id: str, allowed: Collection[
     Workers run from a commit, so tracked files (but those in `allowed`) must be committed: one line
     says which are not.
     """
-    changed = git(["status", "--porcelain", "--untracked-files=no"], root)
-    files = [line[3:] for line in changed.splitlines() if line[3:] not in allowed]
+    changed = git(["diff", "--name-only", "HEAD"], root)  # staged or not
+    files = [name for name in changed.splitlines() if name not in allowed]
     if files:
         raise PipelineError(f"work on a pool runs from a commit: commit or stash {', '.join(files[:5])}"
                             f"{' ...' if len(files) > 5 else ''} first")

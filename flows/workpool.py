@@ -177,6 +177,12 @@ def start_worker(pool: str, limit: int, root: Path) -> None:
     if not PREFECT_API_URL.value():
         raise PipelineError("worker: PREFECT_API_URL is not set; point it at the Prefect server every machine"
                             " reaches (e.g. http://<host>:4200/api)")
+    from parallel_r1 import tracking
+
+    uri = tracking.tracking_uri()
+    if tracking.enabled() and not uri.startswith(("http://", "https://")):
+        raise PipelineError(f"worker: MLFLOW_TRACKING_URI is {uri}, this machine's own store; set it to the"
+                            " MLflow server of the sweeps (http://<host>:5000), or PARALLEL_R1_TRACKING=off")
     register(pool)
     ensure_crash_automation()
     name = f"{socket.gethostname()}-{root.name}"
