@@ -144,6 +144,14 @@ def experiment_metrics(show: list[dict], names: Iterable[str]) -> dict[str, dict
     return found
 
 
+def workspace_metrics(root: str | os.PathLike = ".") -> dict[str, float]:
+    """The workspace's numeric metrics as `dvc metrics show --json` reads them, flat (dotted keys)."""
+    shown = dvc_json(["metrics", "show", "--json"], cwd=root)
+    revisions = shown if isinstance(shown, dict) else {}
+    workspace = revisions.get("") or revisions.get("workspace") or {}  # DVC 3 names the workspace ""
+    return _flat_metrics(workspace.get("data") or {})
+
+
 def _stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
     for signum in (signal.SIGTERM, signal.SIGKILL):
         try:

@@ -31,7 +31,7 @@ from prefect.artifacts import create_table_artifact
 from prefect.runtime import flow_run
 
 from flows import remote
-from flows.dvc_runner import DvcCommandError, dvc_json, plan_stages, run_dvc
+from flows.dvc_runner import DvcCommandError, plan_stages, run_dvc, workspace_metrics
 from parallel_r1 import tracking
 from stages.common import load_params
 
@@ -72,7 +72,7 @@ def experiment(name: str, target: str, overrides: list[str], baseline_ref: str, 
                 args += ["--set-param", override]
             _dvc([*args, target], work, tracking.child_env(run_id), logger.info, name)
             _dvc(["exp", "push", "--run-cache", git_remote, name], work, None, logger.info, name)
-            metrics = _metrics(work)
+            metrics = workspace_metrics(work)
             tracking.log_metrics(metrics, run_id=run_id)
         row = {"experiment": name, "worker": worker, "mlflow_run_id": run_id or "",
                "outs": json.dumps(remote.stage_outs(work, plan_stages([target], work)), sort_keys=True),
@@ -88,13 +88,3 @@ def _dvc(args: list[str], cwd: Path, env, echo, name: str) -> list[str]:
         return run_dvc(args, cwd=cwd, env=env, echo=echo)
     except DvcCommandError as err:
         raise type(err)(f"experiment {name}: {err}") from None
-
-
-def _metrics(root: Path) -> dict[str, float]:
-    """The workspace's DVC metrics, flat (dotted keys), as `dvc metrics show --json` reads them."""
-    from flows.dvc_runner import _flat_metrics
-
-    shown = dvc_json(["metrics", "show", "--json"], cwd=root)
-    workspace = (shown or {}).get("workspace", {}) if isinstance(shown, dict) else {}
-    files = (workspace.get("data") or {})
-    return _flat_metrics(files)

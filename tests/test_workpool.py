@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.dvc_runner import plan_graph
+from flows.dvc_runner import plan_graph, workspace_metrics
 from flows.remote import SWEEP_REF_PREFIX, private_clone, push_baseline, stage_outs
 from parallel_r1.errors import PipelineError
 
@@ -26,7 +26,8 @@ def diamond(tmp_path) -> Path:
     """A committed DVC project a -> (b, c) -> d, with a filesystem remote beside it and a bare git remote."""
     root = tmp_path / "project"
     root.mkdir()
-    stages = {"a": {"cmd": "echo a > a.txt", "outs": ["a.txt"]},
+    stages = {"a": {"cmd": "echo a > a.txt && echo '{\"size\": {\"a\": 1.5}, \"n\": 2}' > score.json",
+                    "outs": ["a.txt"], "metrics": [{"score.json": {"cache": False}}]},
               "b": {"cmd": "cat a.txt > b.txt", "deps": ["a.txt"], "outs": ["b.txt"]},
               "c": {"cmd": "cat a.txt > c.txt", "deps": ["a.txt"], "outs": ["c.txt"]},
               "d": {"cmd": "cat b.txt c.txt > d.txt", "deps": ["b.txt", "c.txt"], "outs": ["d.txt"]}}
@@ -75,6 +76,7 @@ def test_private_clone_runs_the_pushed_commit_on_the_worker_clones_cache_and_rem
     run(sys.executable, "-m", "dvc", "repro", "-q", "b", cwd=work)
     run(sys.executable, "-m", "dvc", "push", "-q", "b", cwd=work)
     outs = stage_outs(work, ["a", "b"])
-    assert set(outs) == {"a.txt", "b.txt"}
+    assert set(outs) == {"a.txt", "score.json", "b.txt"}  # dvc.lock's outs, metrics included
+    assert workspace_metrics(work) == {"size.a": 1.5, "n": 2.0}  # what an experiment logs and reports
     pushed = tmp_path / "dvc-remote" / "files" / "md5" / outs["b.txt"][:2] / outs["b.txt"][2:]
     assert pushed.read_text() == "a\n"
