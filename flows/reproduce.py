@@ -79,6 +79,8 @@ def reproduce(targets: list[str] = [], profile: str | None = None, force: bool =
     Returns {stage: "ran" | "up to date" | "restored"} in the order the stages ran.
     """
     root = Path.cwd()
+    if pool:
+        workpool.check_shared_services("reproduce on a pool")
     if profile:
         switch_profile(root, profile)
     params = load_params(root / PARAMS_FILE)

@@ -147,8 +147,8 @@ def sweep(configurations: list[str], reward_schedules: list[str] = [], seeds: li
     logger = get_run_logger()
     logger.info("%s: %d experiments%s", sweep_id, len(experiments), f" on pool {pool!r}" if pool else "")
     if pool:
+        workpool.check_shared_services("sweep on a pool")
         baseline_ref = push_baseline(root, git_remote, sweep_id)  # before the MLflow run: refusal makes none
-        _check_shared_tracking()
     sweep_tags = {"flow": "sweep", "sweep_id": sweep_id, "prefect_flow_run_id": flow_run.get_id()}
     sweep_params = {"tracking": params.get("tracking") or {}, "configurations": configurations,
                     "reward_schedules": reward_schedules, "seeds": seeds, "profile": profile,
@@ -230,13 +230,6 @@ def _run_on_pool(experiments: list[Experiment], pool: str, git_remote: str, base
         row.update(result)
         rows.append(row)
     return rows
-
-
-def _check_shared_tracking() -> None:
-    """Workers on other machines log to the sweep's MLflow store: it must be a server, not a local file."""
-    if tracking.enabled() and not tracking.tracking_uri().startswith(("http://", "https://")):
-        raise PipelineError(f"sweep on a pool: MLFLOW_TRACKING_URI is {tracking.tracking_uri()}, a local"
-                            " store; set it to the MLflow server every worker reaches (http://<host>:5000)")
 
 
 def _row(experiment: Experiment, state: str, mlflow_run_id: str) -> dict:

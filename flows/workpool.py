@@ -44,6 +44,23 @@ SILENCE_S = 75
 CRASH_AUTOMATION = "parallel-r1: crash flow runs whose heartbeat stopped"
 
 
+def check_shared_services(what: str) -> None:
+    """Work on a pool is seen by other machines: the Prefect API and MLflow must be servers they reach,
+    not this process's temporary API nor a local MLflow file. One line says which is not."""
+    from prefect.settings import PREFECT_API_URL
+
+    from parallel_r1 import tracking
+
+    if not PREFECT_API_URL.value():
+        raise PipelineError(f"{what}: PREFECT_API_URL is not set; point it at the Prefect server the workers"
+                            " use (e.g. http://<host>:4200/api)")
+    uri = tracking.tracking_uri()
+    if tracking.enabled() and not uri.startswith(("http://", "https://")):
+        raise PipelineError(f"{what}: MLFLOW_TRACKING_URI is {uri}, this machine's own store; set it to"
+                            " the MLflow server the workers use (http://<host>:5000),"
+                            " or PARALLEL_R1_TRACKING=off")
+
+
 def register(pool: str) -> None:
     """Create the pool (process type) when missing and (re)write its deployments (`ENTRYPOINTS`)."""
     from prefect import get_client
@@ -172,17 +189,7 @@ def worker_command(pool: str, limit: int, name: str) -> list[str]:
 
 def start_worker(pool: str, limit: int, root: Path) -> None:
     """Register the pool and deployment, then become a worker of it, serving this clone."""
-    from prefect.settings import PREFECT_API_URL
-
-    if not PREFECT_API_URL.value():
-        raise PipelineError("worker: PREFECT_API_URL is not set; point it at the Prefect server every machine"
-                            " reaches (e.g. http://<host>:4200/api)")
-    from parallel_r1 import tracking
-
-    uri = tracking.tracking_uri()
-    if tracking.enabled() and not uri.startswith(("http://", "https://")):
-        raise PipelineError(f"worker: MLFLOW_TRACKING_URI is {uri}, this machine's own store; set it to the"
-                            " MLflow server of the sweeps (http://<host>:5000), or PARALLEL_R1_TRACKING=off")
+    check_shared_services("worker")
     register(pool)
     ensure_crash_automation()
     name = f"{socket.gethostname()}-{root.name}"

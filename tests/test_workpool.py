@@ -80,3 +80,23 @@ def test_private_clone_runs_the_pushed_commit_on_the_worker_clones_cache_and_rem
     assert workspace_metrics(work) == {"size.a": 1.5, "n": 2.0}  # what an experiment logs and reports
     pushed = tmp_path / "dvc-remote" / "files" / "md5" / outs["b.txt"][:2] / outs["b.txt"][2:]
     assert pushed.read_text() == "a\n"
+
+
+def test_work_on_a_pool_needs_servers_the_other_machines_reach(monkeypatch):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.workpool import check_shared_services
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:////tmp/local.db")
+    monkeypatch.delenv("PARALLEL_R1_TRACKING", raising=False)
+    with temporary_settings(restore_defaults={PREFECT_API_URL}), \
+            pytest.raises(PipelineError, match=r"^sweep on a pool: PREFECT_API_URL is not set;"):
+        check_shared_services("sweep on a pool")
+    with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:9/api"}):
+        with pytest.raises(PipelineError, match=r"^worker: MLFLOW_TRACKING_URI is sqlite:////tmp/local.db, "):
+            check_shared_services("worker")
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
+        check_shared_services("worker")
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:////tmp/local.db")
+        monkeypatch.setenv("PARALLEL_R1_TRACKING", "off")
+        check_shared_services("worker")
