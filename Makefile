@@ -37,6 +37,7 @@ XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 help:
 	@echo "make run    - set up .venv and run the whole pipeline (dvc repro) on params.yaml's profile"
+	@echo "              (POOL=<work pool>: independent stages run on its workers, see make worker)"
 	@echo "              (PROFILE=small|tiny|paper composes that profile into params.yaml first)"
 	@echo "make test   - set up .venv and run the test suite"
 	@echo "make lint   - ruff (pyflakes, bugbear, simplify, isort, lines <= 110) and mypy, as CI runs them"
@@ -63,7 +64,7 @@ $(VENV)/.installed: pyproject.toml requirements/cpu.lock requirements/models.txt
 PROFILE ?=
 run: setup
 	$(if $(PROFILE),$(BIN)/python -m stages.profiles $(PROFILE))
-	$(WITH_ALLOCATOR) $(BIN)/python -m flows.make_run
+	$(WITH_ALLOCATOR) $(BIN)/python -m $(if $(POOL),flows.reproduce --pool $(POOL),flows.make_run)
 
 test: setup
 	$(WITH_ALLOCATOR) $(BIN)/python -m pytest $(XDIST) --durations=20 $(PYTEST_ARGS)
@@ -86,16 +87,18 @@ bench: setup
 ui: setup
 	$(WITH_ALLOCATOR) $(BIN)/python -m flows.ui
 
-# A worker of the work pool that sweeps (`python -m flows.sweep ... --pool $(POOL)`) fan out to, serving this
-# clone: start one on every machine with a clone (docs/scale_out.md). PREFECT_API_URL and MLFLOW_TRACKING_URI
-# must name the lab's servers (the sqlite default above is this machine's). DVC_REMOTE overrides this clone's
-# DVC remote (.dvc/config.local): a shared path, s3://..., gs://... WORKER_LIMIT: experiments at a time.
-POOL ?= parallel-r1
+# `make worker`: this clone serves the Prefect work pool POOL (default parallel-r1) that sweeps
+# (`python -m flows.sweep ... --pool`) and `make run POOL=...` (flows.reproduce: independent stages on the
+# pool) fan out to; start one on every machine with a clone (docs/scale_out.md). PREFECT_API_URL and
+# MLFLOW_TRACKING_URI must name the lab's servers (the sqlite default above is this machine's own).
+# DVC_REMOTE overrides this clone's DVC remote (.dvc/config.local): a shared path, s3://..., gs://...
+# WORKER_LIMIT: experiments at a time on this machine.
+POOL ?=
 WORKER_LIMIT ?= 1
 DVC_REMOTE ?=
 worker: setup
 	$(if $(DVC_REMOTE),$(BIN)/dvc remote modify --local storage url $(DVC_REMOTE))
-	$(WITH_ALLOCATOR) $(BIN)/python -m flows.workpool worker --pool $(POOL) --limit $(WORKER_LIMIT)
+	$(WITH_ALLOCATOR) $(BIN)/python -m flows.workpool worker --pool $(or $(POOL),parallel-r1) --limit $(WORKER_LIMIT)
 
 clean:
 	rm -rf .pytest_cache .hypothesis
