@@ -203,18 +203,21 @@ def _run_on_pool(experiments: list[Experiment], pool: str, git_remote: str, base
                                 "sweep_id": sweep_id, "sweep_run_id": sweep_run, "labels": experiment.labels,
                                 "git_remote": git_remote} for experiment in experiments}
     tag = workpool.SWEEP_TAG.format(sweep_id=sweep_id)
-    pending, finished, attempts = list(params), {}, dict.fromkeys(params, 0)
-    while pending:
-        launched = workpool.launch(pool, "experiment", [params[name] for name in pending], pending, tag)
-        for name in pending:
-            attempts[name] += 1
-        runs = workpool.wait([run.id for run in launched], echo=logger.info)
-        by_name = {run.name: run for run in runs.values()}
-        finished.update(by_name)
-        pending = [name for name, run in by_name.items()
-                   if run.state.type == StateType.CRASHED and attempts[name] <= crash_retries]
-        for name in pending:
-            logger.warning("%s crashed (%s): launching it again", name, by_name[name].state.message)
+    attempts = dict.fromkeys(params, 1)
+
+    def relaunch_crashed(run):  # at once: the other experiments go on meanwhile
+        if run.state.type != StateType.CRASHED or attempts[run.name] > crash_retries:
+            return None
+        attempts[run.name] += 1
+        logger.warning("%s crashed (%s): launching it again", run.name, run.state.message)
+        (again,) = workpool.launch(pool, "experiment", [params[run.name]], [run.name], tag)
+        latest[run.name] = again.id
+        return again
+
+    launched = workpool.launch(pool, "experiment", list(params.values()), list(params), tag)
+    latest = {run.name: run.id for run in launched}
+    runs = workpool.wait(list(latest.values()), echo=logger.info, on_final=relaunch_crashed)
+    finished = {name: runs[run_id] for name, run_id in latest.items()}  # each experiment's last attempt
     found = workpool.results([run.id for run in finished.values()])
     rows = []
     for experiment in experiments:

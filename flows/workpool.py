@@ -128,23 +128,37 @@ def launch(pool: str, flow_name: str, runs: list[dict[str, Any]], names: list[st
             for parameters, name in zip(runs, names, strict=True)]
 
 
-def wait(flow_run_ids: list, echo=print, poll_s: float = POLL_S) -> dict:
-    """Poll the API until every flow run is in a final state; returns {id: FlowRun}."""
+def poll(flow_run_ids: list) -> list:
+    """The flow runs' current records (state, start, end), read once."""
     from prefect import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-    reported: dict = {}
-    while True:
-        with get_client(sync_client=True) as client:
-            runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=flow_run_ids)))
-        for run in runs:
+    with get_client(sync_client=True) as client:
+        return client.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=flow_run_ids)))
+
+
+def wait(flow_run_ids: list, echo=print, poll_s: float = POLL_S, on_final=None) -> dict:
+    """Poll the API until every flow run is in a final state; returns {id: FlowRun}.
+
+    `on_final(run)`, called once per run as it ends, may return a new flow run to wait for as well
+    (a relaunch); each state change is echoed.
+    """
+    waiting, done, reported = list(flow_run_ids), {}, {}
+    while waiting:
+        for run in poll(waiting):
             state = run.state.type.value if run.state else "UNKNOWN"
             if reported.get(run.id) != state:
                 reported[run.id] = state
                 echo(f"{run.name}: {state}")
-        if len(runs) == len(flow_run_ids) and all(run.state and run.state.is_final() for run in runs):
-            return {run.id: run for run in runs}
-        time.sleep(poll_s)
+            if run.state and run.state.is_final():
+                waiting.remove(run.id)
+                done[run.id] = run
+                again = on_final(run) if on_final else None
+                if again is not None:
+                    waiting.append(again.id)
+        if waiting:
+            time.sleep(poll_s)
+    return done
 
 
 def results(flow_run_ids: list, key: str = "experiment-result") -> dict:
