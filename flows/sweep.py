@@ -122,7 +122,7 @@ def run_experiment(experiment: Experiment, run_id: str | None, root: str) -> Non
 
 @flow(name="sweep")
 def sweep(configurations: list[str], reward_schedules: list[str] = [], seeds: list[int] = [],  # noqa: B006
-          profile: str = "tiny", target: str | None = None,
+          profile: str | None = None, target: str | None = None,
           grid: dict[str, list[str]] = {}, pool: str | None = None,  # noqa: B006
           git_remote: str = "origin") -> list[dict]:
     """Run every combination as a DVC experiment and compare them.
@@ -130,7 +130,7 @@ def sweep(configurations: list[str], reward_schedules: list[str] = [], seeds: li
     configurations: names under params.yaml `rl_runs` (each sets the default target rl@<name>).
     reward_schedules: reward names of parallel_r1.rewards, set as rl_runs.<configuration>.reward.
     seeds: values for the top-level `seed`.
-    profile: tiny | paper, set as `profile`.
+    profile: small | tiny | paper, set as `profile` (default: params.yaml's, the profile the workspace runs).
     target: DVC stage or output to run instead of rl@<configuration> ("{configuration}" allowed).
     grid: further axes, dotted param path -> values (e.g. {"rl.lr": ["1e-6", "3e-6"]}).
     pool: a Prefect work pool: each experiment becomes a flow run of `experiment/<pool>` that any
@@ -141,6 +141,7 @@ def sweep(configurations: list[str], reward_schedules: list[str] = [], seeds: li
     """
     root = Path.cwd()
     params = load_params(root / PARAMS_FILE)
+    profile = profile or str(params["profile"])
     check_names(params, configurations, reward_schedules)
     sweep_id = datetime.now().strftime("sweep-%m%d-%H%M%S")
     experiments = plan_sweep(configurations, reward_schedules, seeds, profile, target, grid, sweep_id)
@@ -270,7 +271,7 @@ def main() -> None:
     parser.add_argument("configurations", nargs="*", help="names under params.yaml rl_runs")
     parser.add_argument("--reward-schedules", nargs="*", default=[])
     parser.add_argument("--seeds", nargs="*", type=int, default=[])
-    parser.add_argument("--profile", default="tiny")
+    parser.add_argument("--profile", help="small | tiny | paper (default: params.yaml's)")
     parser.add_argument("--target", help="stage or output to run instead of rl@<configuration>")
     parser.add_argument("--grid", nargs="*", default=[], metavar="PATH=V1,V2", help="further param axes")
     parser.add_argument("--pool", help="Prefect work pool: each experiment on a worker of it (make worker)")
