@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -282,16 +283,42 @@ def _torch_dtype(name: str) -> torch.dtype:
 
 def load_model(path: str | os.PathLike, dtype: str = "float32", attn_implementation: str | None = None):
     """(model, tokenizer) from a prepared folder, with one-line errors for bad checkpoints."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoModelForCausalLM
 
     path = check_model_dir(path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=_torch_dtype(dtype), attn_implementation=attn_implementation
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=_torch_dtype(dtype), attn_implementation=attn_implementation,
+            output_loading_info=True, ignore_mismatched_sizes=True,   # reported below, in one line
         )
-    except (OSError, ValueError) as err:
-        raise PipelineError(f"{path}: cannot load model ({str(err).splitlines()[0]})") from None
+    except (OSError, ValueError, RuntimeError, StrictDataclassError) as err:
+        # a config that fails its own validation wraps the reason (its first line names only the validator)
+        reason = err.__cause__ if isinstance(err, StrictDataclassError) and err.__cause__ else err
+        raise PipelineError(f"{path}: cannot load model ({str(reason).splitlines()[0]})") from None
+    check_loading_info(path, info)
     return model, load_tokenizer(path)
+
+
+def check_loading_info(path: Path, info: dict) -> None:
+    """Refuse a model whose config.json and weights disagree (a layer added or removed, a tensor renamed,
+    a shape changed): transformers would start the missing tensors at random and drop the unexpected
+    ones with only a warning table, and the stage would train or evaluate a partly random model.
+    Tied weights (the output embedding of a tied model) are not reported missing by transformers."""
+    problems = [("missing", sorted(info.get("missing_keys") or (), key=_natural)),
+                ("unexpected", sorted(info.get("unexpected_keys") or (), key=_natural)),
+                ("with a different shape", sorted((name for name, *_ in info.get("mismatched_keys") or ()),
+                                                  key=_natural))]
+    for what, names in problems:
+        if names:
+            more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+            raise PipelineError(f"{path}: config.json does not match the weights: tensor {names[0]}{more} "
+                                f"{what} in the safetensors files")
+
+
+def _natural(name: str) -> list:
+    """Sort key putting model.layers.2 before model.layers.10."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
 def runs_in_bf16(dtype: str) -> bool:
