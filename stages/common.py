@@ -129,7 +129,8 @@ def setup_logging() -> None:
 
 def stage_main(func: Callable[..., Any]) -> Callable[..., Any]:
     """Run a stage entry point: logging set up once, `PipelineError` turned into one line on stderr and
-    exit 1."""
+    exit 1; Ctrl-C is one line and exit 130 (outputs are published atomically: the ones not yet renamed
+    into place are not there, the previous ones stay)."""
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -139,5 +140,8 @@ def stage_main(func: Callable[..., Any]) -> Callable[..., Any]:
         except PipelineError as err:
             print(f"error: {err}", file=sys.stderr)
             sys.exit(1)
+        except KeyboardInterrupt:
+            print("error: interrupted (Ctrl-C); this stage published nothing more", file=sys.stderr)
+            sys.exit(130)
 
     return wrapper

@@ -35,7 +35,7 @@ from pathlib import Path
 from parallel_r1 import tracking
 from parallel_r1.config import from_mapping
 from parallel_r1.errors import PipelineError
-from parallel_r1.io import read_jsonl, write_json
+from parallel_r1.io import publish_together, read_jsonl
 from parallel_r1.models import check_model_dir
 from parallel_r1.rewards import SCHEDULE_KNOBS, SHARED_KNOBS, RewardConfig
 from parallel_r1.training import run_memo
@@ -173,10 +173,11 @@ def main(argv: list[str] | None = None) -> None:
                                                                  time.perf_counter() - started)}
             if key is not None and result.resumed_from is None:
                 run_memo.store(key, run, model_dir, result.log_history, history, summary)
-        write_json(model_dir / ROLLOUT_RECORD,
-                   {"prompt": options.prompt, "variant": options.variant, "parallel": options.parallel})
-        write_json(f"metrics/rl/{run}/steps.json", history)
-        write_json(f"metrics/rl/{run}/summary.json", summary)
+        with publish_together() as outputs:
+            rollout = {"prompt": options.prompt, "variant": options.variant, "parallel": options.parallel}
+            outputs.write_json(model_dir / ROLLOUT_RECORD, rollout)
+            outputs.write_json(f"metrics/rl/{run}/steps.json", history)
+            outputs.write_json(f"metrics/rl/{run}/summary.json", summary)
         tracking.log_metrics({key: summary[key] for key in ("mean_step_seconds", "rollout_tokens_per_s",
                                                             "final_reward", "final_accuracy",
                                                             "final_parallel_ratio")})

@@ -134,3 +134,67 @@ def test_run_killed_with_sigkill_is_closed_by_the_next_run_of_its_stage(tmp_path
     client.set_terminated(orphan.info.run_id, status="RUNNING")
     with tracking.stage_run("sft", "seen", params={"profile": "tiny"}):              # the same stage again
         assert client.get_run(orphan.info.run_id).info.status == "KILLED"
+
+
+# ---------------------------------------------------------------- write errors, file modes, Ctrl-C
+
+def test_write_error_is_one_line_and_the_filter_publishes_all_its_outputs_or_none(filtered, workdir):
+    """Under `ulimit -f 64` the filter used to print a 25-line OSError traceback after replacing its metrics
+    but not its SFT set."""
+    long_row = teacher_row(question="x" * 2000)
+    rows = "".join(json.dumps({**long_row, "id": f"g-{i}"}) + "\n" for i in range(60))   # ~140 kB kept
+    write_teachers(workdir, rows, json.dumps(teacher_row(id="d-1", question="new")) + "\n")
+    done = subprocess.run(["bash", "-c", f"ulimit -f 64 && exec {sys.executable} -m stages.filter"], cwd=workdir,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        "error: data/sft/parallel_gsm8k.jsonl: cannot write (File too large, EFBIG)"]
+    assert {name: (workdir / name).read_bytes() for name in OUTPUTS} == filtered       # none replaced
+    assert not [p for p in workdir.rglob(".*") if p.is_file()]                          # no temporary left
+
+
+def test_published_outputs_get_the_mode_of_any_new_file(filtered, workdir):
+    """The temporary file's 0600 used to survive the rename (data/sft/parallel_gsm8k.jsonl was 0600)."""
+    from parallel_r1.io import atomic_path, current_umask
+
+    assert current_umask() == os.umask(current_umask())
+    for name in OUTPUTS:
+        assert (workdir / name).stat().st_mode & 0o777 == 0o666 & ~current_umask(), name
+    with atomic_path(workdir / "models" / "m", is_dir=True) as tmp:
+        (tmp / "config.json").write_text("{}")
+    assert (workdir / "models" / "m").stat().st_mode & 0o777 == 0o777 & ~current_umask()
+
+
+CTRL_C_STAGE = """
+import sys
+from stages.common import stage_main
+@stage_main
+def main():
+    raise KeyboardInterrupt
+main()
+"""
+
+
+def test_ctrl_c_in_a_stage_is_one_line(tmp_path):
+    done = subprocess.run([sys.executable, "-c", CTRL_C_STAGE], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert done.returncode == 130
+    assert done.stderr.strip().splitlines() == ["error: interrupted (Ctrl-C); this stage published nothing more"]
+
+
+def test_zero_rows_error_counts_every_reason_rows_were_dropped(workdir, capsys):
+    """Used to list Algorithm 1's reasons only ({'no_parallel_block': 1}) while the token cap dropped the rest."""
+    from conftest import one_line_error
+
+    from stages.filter import main
+
+    rows = [teacher_row(id=f"g-{i}", completion_tokens=30) for i in range(3)]
+    rows.append(teacher_row(id="g-3", completion="no block\nFinal Answer: 3"))
+    rows.append(teacher_row(id="g-4", completion="<Parallel><Path>a</Path><Path>b</Path></Parallel>"
+                                                 "<Summary>s</Summary>\nFinal Answer: none"))
+    write_teachers(workdir, "".join(json.dumps(row) + "\n" for row in rows), json.dumps(teacher_row()) + "\n")
+    set_param(workdir / "params.yaml", "filter.max_tokens", "1")
+    assert one_line_error(main, capsys) == (
+        "error: data/teacher/gsm8k.jsonl: the filter kept 0 of 5 rows — no SFT data (dropped: over "
+        "filter.max_tokens: 3, no_parallel_block: 1, no_numeric_answer (filter.require_numeric_answer): 1)")
