@@ -198,3 +198,52 @@ def test_zero_rows_error_counts_every_reason_rows_were_dropped(workdir, capsys):
     assert one_line_error(main, capsys) == (
         "error: data/teacher/gsm8k.jsonl: the filter kept 0 of 5 rows — no SFT data (dropped: over "
         "filter.max_tokens: 3, no_parallel_block: 1, no_numeric_answer (filter.require_numeric_answer): 1)")
+
+
+# ---------------------------------------------------------------- a killed teacher generation
+
+class FakeTeacher:
+    """A rollout engine that answers `chunks` chunks, then is interrupted (Ctrl-C)."""
+
+    def __init__(self, chunks: int):
+        self.chunks, self.prompts = chunks, 0
+
+    def generate(self, prompt_ids, n):
+        if self.chunks == 0:
+            raise KeyboardInterrupt
+        self.chunks -= 1
+        self.prompts += len(prompt_ids)
+        from types import SimpleNamespace
+        return [SimpleNamespace(text="<think>t</think>Final Answer: 1", truncated=False) for _ in prompt_ids]
+
+
+def test_killed_teacher_generation_keeps_its_partial_file_where_no_dataset_reader_looks(workdir, mirror, monkeypatch,
+                                                                                        capsys):
+    """Used to leave data/teacher/.dapo.partial.jsonl, which validate then read as a dataset after a checkout."""
+    import parallel_r1.engine
+    import stages.generate
+    from stages.validate import dataset_paths
+
+    from test_bad_inputs import fake_model_dir
+
+    fake_model_dir(workdir / "models" / "base")
+    set_param(workdir / "params.yaml", "data.mirror_dir", json.dumps(str(mirror)))
+    set_param(workdir / "params.yaml", "generate_datasets.dapo.limit", "5")
+    monkeypatch.setattr(stages.generate, "CHUNK", 2)
+    teacher = FakeTeacher(chunks=1)
+    monkeypatch.setattr(parallel_r1.engine, "make_engine", lambda *args, **kwargs: teacher)
+    with pytest.raises(SystemExit) as stopped:
+        stages.generate.main(["dapo"])
+    assert stopped.value.code == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: interrupted (Ctrl-C)")
+    assert len((workdir / "data/partial/teacher/dapo.jsonl").read_text().splitlines()) == 2
+    assert not (workdir / "data/teacher").exists()
+    write_teachers(workdir, json.dumps(teacher_row()) + "\n", json.dumps(teacher_row(id="d-1")) + "\n")  # checkout
+    (workdir / "data/teacher/.gsm8k.partial.jsonl").write_text("")          # an older version's leftover
+    assert [p.name for p in dataset_paths([])] == ["dapo.jsonl", "gsm8k.jsonl"]
+
+    teacher.chunks = 5                                                       # the rerun resumes
+    stages.generate.main(["dapo"])
+    assert teacher.prompts == 2 + 3
+    assert len((workdir / "data/teacher/dapo.jsonl").read_text().splitlines()) == 5
+    assert not (workdir / "data/partial/teacher/dapo.jsonl").exists()
