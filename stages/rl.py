@@ -84,6 +84,19 @@ def rl_options(params: dict, run: str) -> RLOptions:
     return from_mapping(RLOptions, values, f"params.yaml rl_runs.{run}", origins)
 
 
+def init_folder(params: dict, run: str, init: str) -> Path:
+    """models/<init>; a name no stage writes and no folder holds is named by its param path, with the
+    names the pipeline's model stages write (prepare_model, sft@<variant>, the other rl_runs)."""
+    folder = Path("models") / init
+    if not folder.exists():
+        known = ["base", *(f"sft_{variant}" for variant in params.get("sft_variants") or {}),
+                 *(name for name in section(params, "rl_runs") if name != run)]
+        hint = "is not written yet (run its stage first)" if init in known else "names no model"
+        raise PipelineError(f"params.yaml rl_runs.{run}.init: {init!r} {hint}: {folder} not found "
+                            f"(known: {', '.join(known)})")
+    return folder
+
+
 def reward_config(params: dict, schedule: str) -> RewardConfig:
     """`rewards` (read by every schedule) + `reward_schedules.<schedule>` (read by that schedule only)."""
     shared = section(params, "rewards")
@@ -143,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
         raise PipelineError(f"usage: python -m stages.rl <run> (one of {', '.join(runs)})")
     options = rl_options(params, run)
     rewards = reward_config(params, options.reward)
-    init_dir = check_model_dir(f"models/{options.init}")
+    init_dir = check_model_dir(init_folder(params, run, options.init))
     data = f"data/rl/{options.dataset}.jsonl"
     rows = read_jsonl(data, required=PROBLEM_FIELDS)
     tags = {tracking.TAG_VARIANT: options.variant, tracking.TAG_REWARD_SCHEDULE: options.reward,

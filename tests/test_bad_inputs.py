@@ -213,3 +213,19 @@ def test_tiny_model_whose_config_does_not_match_its_weights_is_refused(tiny_mode
         load_model(folder)
     assert str(error.value) == f"{folder}: {message}"
     load_model(tiny_model_dir)   # the unedited folder loads
+
+
+def test_unknown_rl_init_is_named_by_its_param_path(workdir, capsys):
+    """Used to say `models/nope_model: model folder not found`."""
+    from conftest import set_param
+
+    from stages.rl import main
+
+    set_param(workdir / "params.yaml", "rl_runs.grpo_gsm8k.init", "nope_model")
+    line = one_line_error(main, capsys, ["grpo_gsm8k"])
+    assert line.startswith("error: params.yaml rl_runs.grpo_gsm8k.init: 'nope_model' names no model: "
+                           "models/nope_model not found (known: base, sft_seen, sft_unseen, ")
+    set_param(workdir / "params.yaml", "rl_runs.grpo_gsm8k.init", "sft_seen")
+    line = one_line_error(main, capsys, ["grpo_gsm8k"])
+    assert line.startswith("error: params.yaml rl_runs.grpo_gsm8k.init: 'sft_seen' is not written yet (run its "
+                           "stage first): models/sft_seen not found (known: ")
