@@ -109,7 +109,7 @@ with tracking.stage_run("sft", "seen", params={"profile": "tiny"}):
 """
 
 
-def test_run_killed_with_sigkill_is_closed_by_the_next_run_of_its_stage(tmp_path, monkeypatch):
+def test_run_killed_with_sigkill_is_closed_by_the_next_run_of_any_stage(tmp_path, monkeypatch):
     from mlflow import MlflowClient
 
     from parallel_r1 import tracking
@@ -125,8 +125,9 @@ def test_run_killed_with_sigkill_is_closed_by_the_next_run_of_its_stage(tmp_path
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name("killed").experiment_id
     [orphan] = client.search_runs([experiment], "attributes.status = 'RUNNING'")
-    with tracking.stage_run("sft", "unseen", params={"profile": "tiny"}) as other:   # another stage: kept
-        assert client.get_run(orphan.info.run_id).info.status == "RUNNING"
+    with tracking.stage_run("sft", "unseen", params={"profile": "tiny"}) as other:   # another stage closes it
+        assert client.get_run(orphan.info.run_id).info.status == "KILLED"             # (used to stay RUNNING)
+        client.set_terminated(orphan.info.run_id, status="RUNNING")
         assert tracking.close_orphaned_runs() == [orphan.info.run_id]                  # `make ui` closes all
         assert client.get_run(other).info.status == "RUNNING"                          # a live run stays
     assert client.get_run(orphan.info.run_id).info.status == "KILLED"
@@ -247,3 +248,34 @@ def test_killed_teacher_generation_keeps_its_partial_file_where_no_dataset_reade
     assert teacher.prompts == 2 + 3
     assert len((workdir / "data/teacher/dapo.jsonl").read_text().splitlines()) == 5
     assert not (workdir / "data/partial/teacher/dapo.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_run_of_a_killed_stage_restored_from_the_run_cache_is_closed(tmp_path, mirror, monkeypatch):
+    """kill -9 a stage, then `make run`: DVC restores the stage's outputs from its run cache, so no run of
+    that name starts again, and its MLflow run used to stay RUNNING."""
+    from mlflow import MlflowClient
+
+    from flows.make_run import make_run
+
+    repo = copy_repo(tmp_path / "repo", mirror)
+    write_teachers(repo, json.dumps(teacher_row()) + "\n", json.dumps(teacher_row(id="d-1")) + "\n")
+    assert dvc(repo, "repro", "--single-item", "filter").returncode == 0
+    uri = f"sqlite:///{repo / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "restored")
+    monkeypatch.delenv("PARALLEL_R1_TRACKING", raising=False)
+    monkeypatch.delenv("PARALLEL_R1_PARENT_RUN_ID", raising=False)
+    killed = subprocess.run([sys.executable, "-c", KILLED_STAGE.replace('"sft", "seen"', '"filter"')], cwd=repo,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    for name in OUTPUTS:                  # DVC had removed the outputs before the stage was killed
+        (repo / name).unlink()
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("restored").experiment_id
+    [orphan] = client.search_runs([experiment], "attributes.status = 'RUNNING'")
+
+    make_run(["--single-item", "filter"], repo)
+    assert all((repo / name).is_file() for name in OUTPUTS)                 # restored, the stage not run
+    assert [run.info.run_name for run in client.search_runs([experiment], "")] == ["make-run@filter", "filter"]
+    assert client.get_run(orphan.info.run_id).info.status == "KILLED"
