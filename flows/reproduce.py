@@ -24,6 +24,7 @@ from prefect.runtime import flow_run
 
 from flows.dvc_runner import DvcCommandError, TransientDvcError, plan_stages, run_dvc
 from parallel_r1 import tracking
+from parallel_r1.project_lock import holds_project_lock
 from parallel_r1.run_summary import write_run_summary
 from stages.common import load_params
 from stages.profiles import switch as switch_profile
@@ -50,6 +51,7 @@ def repro_stage(stage: str, force: bool, parent_run_id: str | None, root: str) -
 
 
 @flow(name="reproduce")
+@holds_project_lock   # the whole invocation: DVC's own lock is released while a stage command runs
 def reproduce(targets: list[str] = [], profile: str | None = None, force: bool = False) -> dict[str, str]:  # noqa: B006
     """Reproduce DVC `targets` (stages or outputs; none = everything) stage by stage.
 
