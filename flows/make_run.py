@@ -7,7 +7,7 @@ The MLflow run is named `make-run@<targets|all>` (tag flow=make-run); DVC gets i
 PARALLEL_R1_PARENT_RUN_ID, so every stage run nests under it, as under the `reproduce` and
 `sweep` flows, and it ends by writing reports/run_summary.md (parallel_r1/run_summary.py). DVC's output
 streams through unchanged; a failure ends with the stage's (or DVC's) one-line error and exit status 1.
-A second `make run` (or flow) while this one runs is refused (parallel_r1.project_lock).
+A second `make run` (or flow) while this one runs is refused (flows.project_lock).
 No Prefect here: `flows.reproduce` does the same
 with one Prefect task per stage.
 """
@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 from flows.dvc_runner import run_dvc
+from flows.project_lock import project_lock
 from parallel_r1 import tracking
-from parallel_r1.project_lock import project_lock
 from parallel_r1.run_summary import write_run_summary
 from stages import profiles
 from stages.common import load_params, stage_main
@@ -30,7 +30,7 @@ FLOW_TAG = "make-run"
 
 def make_run(args: list[str], root: Path) -> None:
     """`dvc repro <args>` in `root`, its stage runs nested under one MLflow run; refused while another
-    pipeline run holds the project lock (parallel_r1.project_lock)."""
+    pipeline run holds the project lock (flows.project_lock)."""
     with project_lock(root):
         _make_run(args, root)
 

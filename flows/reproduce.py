@@ -23,8 +23,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
 from flows.dvc_runner import DvcCommandError, TransientDvcError, plan_stages, run_dvc
+from flows.project_lock import holds_project_lock
 from parallel_r1 import tracking
-from parallel_r1.project_lock import holds_project_lock
 from parallel_r1.run_summary import write_run_summary
 from stages.common import load_params
 from stages.profiles import switch as switch_profile

@@ -23,7 +23,6 @@ from typing import Any
 import yaml
 
 from parallel_r1.errors import PipelineError
-from parallel_r1.project_lock import project_lock
 from stages.common import read_params_yaml, stage_main
 
 CONFIG_DIR = "conf"
@@ -144,6 +143,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not args.profile:
         parser.error(f"give a profile ({', '.join(profile_names(root))}) or --check")
+    from flows.project_lock import project_lock  # the entry points' lock (flows/), taken here too
+
     with project_lock(root):   # not under a running pipeline's feet
         switch(root, args.profile, force=args.force)
     print(f"{PARAMS_FILE}: profile {args.profile} "

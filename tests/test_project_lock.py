@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from flows.project_lock import project_lock
 from parallel_r1.errors import PipelineError
-from parallel_r1.project_lock import project_lock
 from stages.profiles import write_params
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,9 +66,10 @@ def test_second_make_run_is_refused_while_the_first_runs_a_stage_command(toy):
             second = subprocess.run(command, cwd=toy, env=env, capture_output=True, text=True, timeout=180)
             assert second.returncode == 1
             [line] = second.stderr.strip().splitlines()
-            assert re.fullmatch(rf"error: {re.escape(str(toy))}/\.dvc/tmp/pipeline\.lock: another pipeline run "
-                                rf"holds the project lock \(pid {first.pid}: python\S* -m flows\.make_run "
-                                r"--single-item hold, since [^)]+\); wait for it to end or stop it", line), line
+            expected = (rf"error: {re.escape(str(toy))}/\.dvc/tmp/pipeline\.lock: another pipeline run "
+                        rf"holds the project lock \(pid {first.pid}: python\S* -m flows\.make_run "
+                        r"--single-item hold, since [^)]+\); wait for it to end or stop it")
+            assert re.fullmatch(expected, line), line
         assert not (toy / "other.txt").exists() and not (toy / "dvc.lock").exists()
     finally:
         (toy / "release").touch()
@@ -83,15 +84,15 @@ def test_second_make_run_is_refused_while_the_first_runs_a_stage_command(toy):
 def test_lock_is_reentrant_in_one_process_and_refused_to_another(tmp_path):
     with project_lock(tmp_path) as path, project_lock(tmp_path):       # a flow switching the profile
         assert path.read_text().startswith(f"pid {os.getpid()}: ")
-        probe = subprocess.run(python("-c", "import sys; from parallel_r1.project_lock import project_lock\n"
+        probe = subprocess.run(python("-c", "import sys; from flows.project_lock import project_lock\n"
                                             "with project_lock(sys.argv[1]): pass", str(tmp_path)),
                                env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
         assert probe.returncode != 0 and "another pipeline run holds the project lock" in probe.stderr
-    with pytest.raises(PipelineError, match="another pipeline run holds the project lock"):
-        with project_lock(tmp_path):
-            raise PipelineError("another pipeline run holds the project lock (the block's own error goes on)")
+    own_error = "another pipeline run holds the project lock (the block's own error goes on)"
+    with pytest.raises(PipelineError, match=re.escape(own_error)), project_lock(tmp_path):
+        raise PipelineError(own_error)
     assert path.read_text() == ""                                      # released, its holder line cleared
-    released = subprocess.run(python("-c", "import sys; from parallel_r1.project_lock import project_lock\n"
+    released = subprocess.run(python("-c", "import sys; from flows.project_lock import project_lock\n"
                                            "with project_lock(sys.argv[1]): pass", str(tmp_path)),
                               env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
     assert released.returncode == 0, released.stderr

@@ -1,5 +1,8 @@
 """One pipeline invocation at a time per project: `make run`, the flows and a profile switch hold this lock.
 
+    with project_lock(root):   # flows.make_run; flows.reproduce: @holds_project_lock
+        ...
+
 DVC's own repo lock is not enough: `dvc repro` releases it while a stage command runs, so a second
 `dvc repro` started meanwhile runs other stages and rewrites dvc.lock next to the first. The entry
 points (flows.make_run, flows.reproduce, stages.profiles) take this lock for their whole run; a second
