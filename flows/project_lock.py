@@ -49,7 +49,8 @@ def project_lock(root: str | os.PathLike = ".") -> Iterator[Path]:
         handle.seek(0)
         handle.truncate()
         argv = list(getattr(sys, "orig_argv", sys.argv)) or ["python"]
-        command = shlex.join([Path(argv[0]).name, *argv[1:]])
+        command = " ".join(shlex.join([Path(argv[0]).name, *argv[1:]]).split())   # one line, for the error
+        command = command if len(command) <= 120 else command[:117] + "..."
         handle.write(f"pid {os.getpid()}: {command}, since {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n")
         handle.flush()
         _HELD.add(path)

@@ -96,3 +96,18 @@ def test_lock_is_reentrant_in_one_process_and_refused_to_another(tmp_path):
                                            "with project_lock(sys.argv[1]): pass", str(tmp_path)),
                               env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
     assert released.returncode == 0, released.stderr
+
+
+def test_holder_with_a_multiline_command_is_still_named_in_one_line(tmp_path):
+    holder = subprocess.Popen(python("-c", "import sys, time\nfrom flows.project_lock import project_lock\n"
+                                           "with project_lock(sys.argv[1]):\n    print('held', flush=True)\n"
+                                           "    time.sleep(120)", str(tmp_path)),
+                              env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(PipelineError) as refused, project_lock(tmp_path):
+            pass
+        assert "\n" not in str(refused.value) and f"(pid {holder.pid}: python" in str(refused.value)
+    finally:
+        holder.kill()
+        holder.wait()
