@@ -316,6 +316,37 @@ def check_loading_info(path: Path, info: dict) -> None:
                                 f"{what} in the safetensors files")
 
 
+def check_weights_match_config(path: str | os.PathLike) -> None:
+    """`check_loading_info` for a model another library loads (vLLM), without loading it: the model that
+    config.json describes is built on the meta device (no memory) and its tensor names and shapes are
+    compared with the safetensors headers. Tied weights count once, as transformers saves them. A Hub id,
+    or a folder of *.bin weights, is left to the loader."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    if not path.is_dir() or not any(path.glob("*.safetensors")):
+        return
+    try:
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)))
+    except (OSError, ValueError, KeyError) as err:
+        raise PipelineError(f"{path}: cannot read config.json ({str(err).splitlines()[0]})") from None
+    state = skeleton.state_dict()
+    expected = {name: tuple(param.shape) for name, param in skeleton.named_parameters()}   # tied: once
+    expected.update({name: tuple(buffer.shape) for name, buffer in skeleton.named_buffers() if name in state})
+    present: dict[str, tuple] = {}
+    for weights in sorted(path.glob("*.safetensors")):
+        with safe_open(str(weights), framework="pt") as handle:
+            present.update({name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()})
+    tied = set(state) - set(expected)   # a tied copy a checkpoint may also hold
+    check_loading_info(path, {
+        "missing_keys": set(expected) - set(present),
+        "unexpected_keys": set(present) - set(expected) - tied,
+        "mismatched_keys": {(name, present[name], shape) for name, shape in expected.items()
+                            if name in present and present[name] != shape}})
+
+
 def _natural(name: str) -> list:
     """Sort key putting model.layers.2 before model.layers.10."""
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]

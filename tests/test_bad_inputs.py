@@ -215,6 +215,22 @@ def test_tiny_model_whose_config_does_not_match_its_weights_is_refused(tiny_mode
     load_model(tiny_model_dir)   # the unedited folder loads
 
 
+@pytest.mark.parametrize("change, message", [
+    (ONE_MORE, MISMATCH + "model.layers.2.input_layernorm.weight and 10 more missing in the safetensors files"),
+    (ONE_LESS, MISMATCH + "model.layers.1.input_layernorm.weight and 10 more unexpected in the safetensors files"),
+    ({"intermediate_size": lambda n: n * 2},
+     MISMATCH + "model.layers.0.mlp.down_proj.weight and 5 more with a different shape in the safetensors files"),
+])
+def test_mismatch_is_found_without_loading_for_the_vllm_engine(tiny_model_dir, tmp_path, change, message):
+    from parallel_r1.models import check_weights_match_config
+
+    folder = edited_copy(tiny_model_dir, tmp_path / "sft_seen", **change)
+    with pytest.raises(PipelineError) as error:
+        check_weights_match_config(folder)
+    assert str(error.value) == f"{folder}: {message}"
+    check_weights_match_config(tiny_model_dir)
+
+
 def test_unknown_rl_init_is_named_by_its_param_path(workdir, capsys):
     """Used to say `models/nope_model: model folder not found`."""
     from conftest import set_param

@@ -16,6 +16,7 @@ from parallel_r1.errors import PipelineError
 from parallel_r1.format import PARALLEL_OPEN, TAGS
 from parallel_r1.models import (
     SMOLLM2,
+    check_weights_match_config,
     load_model,
     load_pretrained,
     packaged_gguf,
@@ -124,8 +125,12 @@ def test_small_model_with_a_layer_added_to_its_config_is_refused(prepared, tmp_p
     if config.get("layer_types"):
         config["layer_types"] = [*config["layer_types"], config["layer_types"][-1]]
     (folder / "config.json").write_text(json.dumps(config))
+    message = (f"{folder}: config.json does not match the weights: tensor model.layers.{layers}.input_layernorm."
+               "weight and 8 more missing in the safetensors files")
     with pytest.raises(PipelineError) as error:
         load_model(folder)
-    assert str(error.value) == (f"{folder}: config.json does not match the weights: tensor "
-                                f"model.layers.{layers}.input_layernorm.weight and 8 more missing in the "
-                                "safetensors files")
+    assert str(error.value) == message
+    with pytest.raises(PipelineError) as error:   # the check before a vLLM engine loads it
+        check_weights_match_config(folder)
+    assert str(error.value) == message
+    check_weights_match_config(prepared[0])
