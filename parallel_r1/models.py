@@ -338,7 +338,8 @@ def check_weights_match_config(path: str | os.PathLike) -> None:
     present: dict[str, tuple] = {}
     for weights in sorted(path.glob("*.safetensors")):
         with safe_open(str(weights), framework="pt") as handle:
-            present.update({name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()})
+            names = handle.keys()   # a safetensors handle is not iterable
+            present.update({name: tuple(handle.get_slice(name).get_shape()) for name in names})
     tied = set(state) - set(expected)   # a tied copy a checkpoint may also hold
     check_loading_info(path, {
         "missing_keys": set(expected) - set(present),
