@@ -57,6 +57,7 @@ def main() -> None:
     try:
         make_run(sys.argv[1:], Path.cwd())
     except KeyboardInterrupt:  # DVC and its stage are stopped; the MLflow run ends KILLED
+        print("error: interrupted (Ctrl-C); dvc repro and its stage stopped", file=sys.stderr)
         sys.exit(130)
 
 
