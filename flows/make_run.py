@@ -6,8 +6,9 @@
 The MLflow run is named `make-run@<targets|all>` (tag flow=make-run); DVC gets its id in env
 PARALLEL_R1_PARENT_RUN_ID, so every stage run nests under it, as under the `reproduce` and
 `sweep` flows, and it ends by writing reports/run_summary.md (parallel_r1/run_summary.py). DVC's output
-streams through unchanged; a failure ends with the stage's (or
-DVC's) one-line error and exit status 1. No Prefect here: `flows.reproduce` does the same
+streams through unchanged; a failure ends with the stage's (or DVC's) one-line error and exit status 1.
+A second `make run` (or flow) while this one runs is refused (flows.project_lock).
+No Prefect here: `flows.reproduce` does the same
 with one Prefect task per stage.
 """
 
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 
 from flows.dvc_runner import run_dvc
+from flows.project_lock import project_lock
 from parallel_r1 import tracking
 from parallel_r1.run_summary import write_run_summary
 from stages import profiles
@@ -27,7 +29,13 @@ FLOW_TAG = "make-run"
 
 
 def make_run(args: list[str], root: Path) -> None:
-    """`dvc repro <args>` in `root`, its stage runs nested under one MLflow run."""
+    """`dvc repro <args>` in `root`, its stage runs nested under one MLflow run; refused while another
+    pipeline run holds the project lock (flows.project_lock)."""
+    with project_lock(root):
+        _make_run(args, root)
+
+
+def _make_run(args: list[str], root: Path) -> None:
     params = load_params(root / "params.yaml")
     edited = profiles.edits(root)
     if edited:  # kept, as DVC would; said, so a result is never silently from a hand-edited profile
@@ -49,6 +57,7 @@ def main() -> None:
     try:
         make_run(sys.argv[1:], Path.cwd())
     except KeyboardInterrupt:  # DVC and its stage are stopped; the MLflow run ends KILLED
+        print("error: interrupted (Ctrl-C); dvc repro and its stage stopped", file=sys.stderr)
         sys.exit(130)
 
 

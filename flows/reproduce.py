@@ -36,6 +36,7 @@ from prefect.runtime import flow_run
 
 from flows import workpool
 from flows.dvc_runner import DvcCommandError, TransientDvcError, dvc_json, plan_graph, plan_stages, run_dvc
+from flows.project_lock import holds_project_lock
 from flows.remote import push_baseline
 from parallel_r1 import tracking
 from parallel_r1.run_summary import write_run_summary
@@ -67,6 +68,7 @@ def repro_stage(stage: str, force: bool, parent_run_id: str | None, root: str, p
 
 
 @flow(name="reproduce")
+@holds_project_lock   # the whole invocation: DVC's own lock is released while a stage command runs
 def reproduce(targets: list[str] = [], profile: str | None = None, force: bool = False,  # noqa: B006
               pool: str | None = None, git_remote: str = "origin") -> dict[str, str]:
     """Reproduce DVC `targets` (stages or outputs; none = everything) stage by stage.

@@ -38,6 +38,14 @@ class FilterResult:
     dropped_no_numeric_answer: int = 0
     dropped_token_cap: int = 0
 
+    def drop_reasons(self) -> str:
+        """Why rows were not kept, every cause with its count, most first: Algorithm 1's rejection
+        reasons and the two extras (a row Algorithm 1 rejects is counted under its reason only)."""
+        counts = {**self.stats.reasons, "no_numeric_answer (filter.require_numeric_answer)":
+                  self.dropped_no_numeric_answer, "over filter.max_tokens": self.dropped_token_cap}
+        ranked = sorted(((count, reason) for reason, count in counts.items() if count), key=lambda c: -c[0])
+        return ", ".join(f"{reason}: {count}" for count, reason in ranked) or "none"
+
     def metrics(self, dataset: str, source: str, model: str) -> dict:
         return {
             "dataset": dataset,

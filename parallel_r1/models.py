@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -282,16 +283,74 @@ def _torch_dtype(name: str) -> torch.dtype:
 
 def load_model(path: str | os.PathLike, dtype: str = "float32", attn_implementation: str | None = None):
     """(model, tokenizer) from a prepared folder, with one-line errors for bad checkpoints."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoModelForCausalLM
 
     path = check_model_dir(path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=_torch_dtype(dtype), attn_implementation=attn_implementation
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=_torch_dtype(dtype), attn_implementation=attn_implementation,
+            output_loading_info=True, ignore_mismatched_sizes=True,   # reported below, in one line
         )
-    except (OSError, ValueError) as err:
-        raise PipelineError(f"{path}: cannot load model ({str(err).splitlines()[0]})") from None
+    except (OSError, ValueError, RuntimeError, StrictDataclassError) as err:
+        # a config that fails its own validation wraps the reason (its first line names only the validator)
+        reason = err.__cause__ if isinstance(err, StrictDataclassError) and err.__cause__ else err
+        raise PipelineError(f"{path}: cannot load model ({str(reason).splitlines()[0]})") from None
+    check_loading_info(path, info)
     return model, load_tokenizer(path)
+
+
+def check_loading_info(path: Path, info: dict) -> None:
+    """Refuse a model whose config.json and weights disagree (a layer added or removed, a tensor renamed,
+    a shape changed): transformers would start the missing tensors at random and drop the unexpected
+    ones with only a warning table, and the stage would train or evaluate a partly random model.
+    Tied weights (the output embedding of a tied model) are not reported missing by transformers."""
+    problems = [("missing", sorted(info.get("missing_keys") or (), key=_natural)),
+                ("unexpected", sorted(info.get("unexpected_keys") or (), key=_natural)),
+                ("with a different shape", sorted((name for name, *_ in info.get("mismatched_keys") or ()),
+                                                  key=_natural))]
+    for what, names in problems:
+        if names:
+            more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+            raise PipelineError(f"{path}: config.json does not match the weights: tensor {names[0]}{more} "
+                                f"{what} in the safetensors files")
+
+
+def check_weights_match_config(path: str | os.PathLike) -> None:
+    """`check_loading_info` for a model another library loads (vLLM), without loading it: the model that
+    config.json describes is built on the meta device (no memory) and its tensor names and shapes are
+    compared with the safetensors headers. Tied weights count once, as transformers saves them. A Hub id,
+    or a folder of *.bin weights, is left to the loader."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    if not path.is_dir() or not any(path.glob("*.safetensors")):
+        return
+    try:
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)))
+    except (OSError, ValueError, KeyError) as err:
+        raise PipelineError(f"{path}: cannot read config.json ({str(err).splitlines()[0]})") from None
+    state = skeleton.state_dict()
+    expected = {name: tuple(param.shape) for name, param in skeleton.named_parameters()}   # tied: once
+    expected.update({name: tuple(buffer.shape) for name, buffer in skeleton.named_buffers() if name in state})
+    present: dict[str, tuple] = {}
+    for weights in sorted(path.glob("*.safetensors")):
+        with safe_open(str(weights), framework="pt") as handle:
+            names = handle.keys()   # a safetensors handle is not iterable
+            present.update({name: tuple(handle.get_slice(name).get_shape()) for name in names})
+    tied = set(state) - set(expected)   # a tied copy a checkpoint may also hold
+    check_loading_info(path, {
+        "missing_keys": set(expected) - set(present),
+        "unexpected_keys": set(present) - set(expected) - tied,
+        "mismatched_keys": {(name, present[name], shape) for name, shape in expected.items()
+                            if name in present and present[name] != shape}})
+
+
+def _natural(name: str) -> list:
+    """Sort key putting model.layers.2 before model.layers.10."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
 def runs_in_bf16(dtype: str) -> bool:

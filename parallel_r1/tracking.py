@@ -359,8 +359,8 @@ def close_orphaned_runs(name: str | None = None, params: Mapping[str, Any] | Non
     """Mark KILLED the RUNNING runs (all, or those named `name`) whose process died without ending them.
 
     A `kill -9` (or a lost machine) never runs `stage_run`'s finally, so its run would stay RUNNING
-    forever and the MLflow UI would compare it as live. Called by every stage run for its own name
-    and by `make ui` for all. Live runs (a concurrent sweep's) are left alone. Returns the ids closed.
+    forever and the MLflow UI would compare it as live. Called for all names at the start of every stage
+    and flow run, and by `make ui`. Live runs (a concurrent sweep's) are left alone. Returns the ids closed.
     """
     if not enabled():
         return []
@@ -443,7 +443,9 @@ def _create_run(name: str, params: Mapping[str, Any] | None, tags: Mapping[str, 
                            lambda: _experiment_id(experiment or experiment_name(params)))
     if experiment_id is None:
         return None
-    _guard("close orphaned runs", lambda: close_orphaned_runs(name, params, experiment), disable=False)
+    # Every name, not only this run's: a killed stage whose outputs DVC then restores from its run cache
+    # never starts a run of its own name again, and would stay RUNNING.
+    _guard("close orphaned runs", lambda: close_orphaned_runs(None, params, experiment), disable=False)
     all_tags = {**dict(tags), **process_tags()}
     if parent_run_id and _guard("find parent run " + parent_run_id, lambda: _client().get_run(parent_run_id),
                                 disable=False):

@@ -6,6 +6,7 @@ it as it is, the same values DVC tracks.
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
@@ -127,9 +128,38 @@ def setup_logging() -> None:
     log.setLevel(logging.INFO if is_main_process() else logging.WARNING)
 
 
+def restore_outputs() -> str:
+    """Under `dvc repro`, put the failed stage's outputs back as dvc.lock records them; says so (or why not)
+    in a few words for the error line, "" outside DVC.
+
+    DVC removes a stage's outputs before it runs the command, so without this a params typo found by the
+    stage would leave the workspace without the previous good outputs (they stay in the DVC cache).
+    `dvc checkout <stage>` cannot run here: DVC holds its write lock on these outputs for the command's
+    duration, so the outputs are checked out in-process from the stage's dvc.lock entry, as that
+    command would. Outputs not recorded yet (a first run) stay absent.
+    """
+    stage_name, root = os.environ.get("DVC_STAGE"), os.environ.get("DVC_ROOT")
+    if not stage_name or not root or not is_main_process():
+        return ""
+    try:
+        from dvc.repo import Repo
+
+        with Repo(root) as repo:
+            [stage] = [stage for stage in repo.index.stages if stage.addressing == stage_name]
+            restored = [out for out in stage.outs if out.hash_info]
+            for out in restored:
+                out.checkout(force=True)
+    except Exception as err:  # noqa: BLE001 - the stage's own error is the one to report
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return f" (previous outputs not restored: {first}; `dvc checkout {stage_name}` restores them)"
+    return " (its previous outputs are restored from the DVC cache)" if restored else ""
+
+
 def stage_main(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Run a stage entry point: logging set up once, `PipelineError` turned into one line on stderr and
-    exit 1."""
+    """Run a stage entry point: logging set up once, `PipelineError` (and an OSError: the system refused a
+    read or write) turned into one line on stderr and exit 1, the outputs put back under DVC
+    (`restore_outputs`); Ctrl-C is one line and exit 130 (outputs are published atomically: the ones
+    not yet renamed into place are not there, the previous ones stay)."""
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -137,7 +167,15 @@ def stage_main(func: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return func(*args, **kwargs)
         except PipelineError as err:
-            print(f"error: {err}", file=sys.stderr)
+            print(f"error: {err}{restore_outputs()}", file=sys.stderr)
             sys.exit(1)
+        except OSError as err:   # the system refused a read or write outside parallel_r1.io (a full disk)
+            name = errno.errorcode.get(err.errno or 0, type(err).__name__)
+            where = f"{err.filename}: " if err.filename else ""
+            print(f"error: {where}{err.strerror or err} ({name}){restore_outputs()}", file=sys.stderr)
+            sys.exit(1)
+        except KeyboardInterrupt:
+            print("error: interrupted (Ctrl-C); this stage published nothing more", file=sys.stderr)
+            sys.exit(130)
 
     return wrapper

@@ -33,7 +33,7 @@ from parallel_r1.engine import RolloutConfig, engine_for_variant, make_engine, r
 from parallel_r1.errors import PipelineError
 from parallel_r1.evaluation import benchmark_jobs, by_benchmark, sample_to_row, summarize
 from parallel_r1.identity import identity_stamp, work_identity
-from parallel_r1.io import read_json, read_jsonl, write_json, write_jsonl
+from parallel_r1.io import publish_together, read_json, read_jsonl, write_json
 from parallel_r1.models import check_model_dir, load_tokenizer, runs_in_bf16
 from stages.common import load_params, log, section, stage_main
 
@@ -147,9 +147,12 @@ def model_tags(model: str, params: dict) -> dict[str, str | None]:
 def evaluate_model(model: str, params: dict) -> None:
     folder = Path("models") / model
     with tracking.stage_run("evaluate", model, params, tags=model_tags(model, params)):
-        for name, (metrics, rows) in evaluate_folder(model, folder, benchmark_ks(params), params).items():
-            write_json(f"metrics/eval/{model}/{name}.json", metrics)
-            write_jsonl(f"data/samples/{model}/{name}.jsonl", rows)
+        results = evaluate_folder(model, folder, benchmark_ks(params), params)
+        with publish_together() as outputs:   # every benchmark's metrics and samples, or none
+            for name, (metrics, rows) in results.items():
+                outputs.write_json(f"metrics/eval/{model}/{name}.json", metrics)
+                outputs.write_jsonl(f"data/samples/{model}/{name}.jsonl", rows)
+        for name, (metrics, _) in results.items():
             tracking.log_metrics(tracked_metrics(name, metrics))
         partial_path(model, folder).unlink(missing_ok=True)
         tracking.log_model_reference(folder)

@@ -19,7 +19,7 @@ from parallel_r1 import tracking
 from parallel_r1.config import from_mapping
 from parallel_r1.errors import PipelineError
 from parallel_r1.filtering import FilterConfig, filter_outputs
-from parallel_r1.io import read_jsonl, write_json, write_jsonl
+from parallel_r1.io import publish_together, read_jsonl
 from stages.common import load_params, log, section, stage_main
 
 TRACKED = ("examples", "valid", "valid_pct", "kept")   # per-dataset metrics logged to MLflow
@@ -52,15 +52,17 @@ def main(argv: Sequence[str] = ()) -> None:
             result = filter_outputs(rows, config)
             if name == config.sft_dataset and not result.kept:
                 raise PipelineError(f"{path}: the filter kept 0 of {len(rows)} rows — no SFT data "
-                                    f"({result.metrics(name, '', '')['reasons']})")
+                                    f"(dropped: {result.drop_reasons()})")
             results[name] = (result, result.metrics(name, rows[0]["source"], rows[0]["model"]))
-        for name, (result, metrics) in results.items():
-            write_json(f"metrics/filter/{name}.json", metrics)
+        with publish_together() as outputs:   # every output, or none (a write error leaves them all)
+            for name, (result, metrics) in results.items():
+                outputs.write_json(f"metrics/filter/{name}.json", metrics)
+                if name == config.sft_dataset:
+                    outputs.write_jsonl(f"data/sft/parallel_{name}.jsonl", result.kept)
+        for name, (_, metrics) in results.items():
             tracking.log_metrics({f"{name}.{key}": metrics[key] for key in TRACKED})
             log.info(f"{name}: {metrics['valid']}/{metrics['examples']} valid ({metrics['valid_pct']}%), "
-                  f"{metrics['kept']} kept, reasons {metrics['reasons']}")
-            if name == config.sft_dataset:
-                write_jsonl(f"data/sft/parallel_{name}.jsonl", result.kept)
+                     f"{metrics['kept']} kept, reasons {metrics['reasons']}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@
 transformers — and keeps only the output after the teacher's hidden thinking.
 `source: released` takes the authors' released generations (the mirror's
 teacher_demos_gsm8k.jsonl, else the Hub). Finished chunks are appended to a partial
-file beside the output, so a killed run resumes where it stopped.
+file (data/partial/teacher/<dataset>.jsonl, outside data/teacher/ where readers glob), so a killed
+run resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -30,6 +31,23 @@ from parallel_r1.teacher import strip_thinking, teacher_record
 from stages.common import load_params, log, section, stage_main
 
 BASE_MODEL = "models/base"   # its tokenizer counts completion tokens for the SFT length cap
+# Finished chunks of a killed run, kept outside data/teacher/: a `dvc checkout` restores the outputs there,
+# and every reader of data/teacher/*.jsonl (validate, filter) would take a partial file for a dataset.
+PARTIAL_DIR = Path("data/partial/teacher")
+
+
+def partial_path(name: str) -> Path:
+    """Where generate@<name> appends its finished chunks (a partial file of an older version, beside the
+    output as data/teacher/.<name>.partial.jsonl, is moved here, so its chunks are still resumed)."""
+    path = PARTIAL_DIR / f"{name}.jsonl"
+    legacy = Path(f"data/teacher/.{name}.partial.jsonl")
+    if legacy.is_file():
+        if path.exists():
+            legacy.unlink()
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            legacy.replace(path)
+    return path
 CHUNK = 256                  # prompts per engine call: the unit of progress and of resuming
 
 
@@ -49,7 +67,7 @@ def model_rows(name: str, problems: list[dict], gen: dict, seed: int, student_to
 
     teacher = resolve_model_source(str(gen["teacher"]), "generate.teacher")
     teacher_tokenizer = load_tokenizer(teacher)
-    partial = Path(f"data/teacher/.{name}.partial.jsonl")
+    partial = partial_path(name)
     done = {row["id"]: row for row in read_jsonl(partial, allow_empty=True)} if partial.exists() else {}
     todo = [p for p in problems if p["id"] not in done]
     if done:
@@ -109,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
                                      limit)
             rows = model_rows(name, problems, gen, int(params.get("seed", 0)), tokenizer)
         count = write_jsonl(f"data/teacher/{name}.jsonl", rows)
-        Path(f"data/teacher/.{name}.partial.jsonl").unlink(missing_ok=True)
+        partial_path(name).unlink(missing_ok=True)
         log.info(f"data/teacher/{name}.jsonl: {count} teacher outputs")
         tokens = sum(row["completion_tokens"] for row in rows)
         tracking.log_metrics({"outputs": count, "truncated": sum(row["truncated"] for row in rows),

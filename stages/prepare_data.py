@@ -16,7 +16,7 @@ from typing import Sequence
 from parallel_r1 import tracking
 from parallel_r1.data import PROBLEM_SETS, load_problems
 from parallel_r1.errors import PipelineError
-from parallel_r1.io import write_jsonl
+from parallel_r1.io import publish_together
 from stages.common import load_params, log, section, stage_main
 
 
@@ -49,10 +49,12 @@ def main(argv: Sequence[str] = ()) -> None:
         # Everything is loaded before anything is written: a bad dataset leaves every output as it was.
         loaded = [(group, name, spec["source"], load_problems(spec["source"], mirror, spec.get("limit")))
                   for group, name, spec in entries]
+        with publish_together() as outputs:   # every set, or none
+            for group, name, _, problems in loaded:
+                outputs.write_jsonl(f"data/{group}/{name}.jsonl", problems)
         for group, name, source, problems in loaded:
-            count = write_jsonl(f"data/{group}/{name}.jsonl", problems)
-            tracking.log_metrics({f"{group}.{name}.problems": count})
-            log.info(f"data/{group}/{name}.jsonl: {count} problems from {source}")
+            tracking.log_metrics({f"{group}.{name}.problems": len(problems)})
+            log.info(f"data/{group}/{name}.jsonl: {len(problems)} problems from {source}")
 
 
 if __name__ == "__main__":

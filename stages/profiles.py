@@ -143,7 +143,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not args.profile:
         parser.error(f"give a profile ({', '.join(profile_names(root))}) or --check")
-    switch(root, args.profile, force=args.force)
+    from flows.project_lock import project_lock  # the entry points' lock (flows/), taken here too
+
+    with project_lock(root):   # not under a running pipeline's feet
+        switch(root, args.profile, force=args.force)
     print(f"{PARAMS_FILE}: profile {args.profile} "
           f"({CONFIG_DIR}/pipeline.yaml + {CONFIG_DIR}/profile/{args.profile}.yaml)")
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from parallel_r1 import tracking
 from parallel_r1.config import from_mapping
 from parallel_r1.errors import PipelineError
-from parallel_r1.io import read_jsonl, write_json
+from parallel_r1.io import publish_together, read_jsonl
 from parallel_r1.models import check_model_dir
 from parallel_r1.rewards import SCHEDULE_KNOBS, SHARED_KNOBS, RewardConfig
 from parallel_r1.training import run_memo
@@ -82,6 +82,19 @@ def rl_options(params: dict, run: str) -> RLOptions:
         values["snapshot_every"] = every
         origins["snapshot_every"] = "params.yaml scaffold_curve.every"
     return from_mapping(RLOptions, values, f"params.yaml rl_runs.{run}", origins)
+
+
+def init_folder(params: dict, run: str, init: str) -> Path:
+    """models/<init>; a name no stage writes and no folder holds is named by its param path, with the
+    names the pipeline's model stages write (prepare_model, sft@<variant>, the other rl_runs)."""
+    folder = Path("models") / init
+    if not folder.exists():
+        known = ["base", *(f"sft_{variant}" for variant in params.get("sft_variants") or {}),
+                 *(name for name in section(params, "rl_runs") if name != run)]
+        hint = "is not written yet (run its stage first)" if init in known else "names no model"
+        raise PipelineError(f"params.yaml rl_runs.{run}.init: {init!r} {hint}: {folder} not found "
+                            f"(known: {', '.join(known)})")
+    return folder
 
 
 def reward_config(params: dict, schedule: str) -> RewardConfig:
@@ -143,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
         raise PipelineError(f"usage: python -m stages.rl <run> (one of {', '.join(runs)})")
     options = rl_options(params, run)
     rewards = reward_config(params, options.reward)
-    init_dir = check_model_dir(f"models/{options.init}")
+    init_dir = check_model_dir(init_folder(params, run, options.init))
     data = f"data/rl/{options.dataset}.jsonl"
     rows = read_jsonl(data, required=PROBLEM_FIELDS)
     tags = {tracking.TAG_VARIANT: options.variant, tracking.TAG_REWARD_SCHEDULE: options.reward,
@@ -173,10 +186,11 @@ def main(argv: list[str] | None = None) -> None:
                                                                  time.perf_counter() - started)}
             if key is not None and result.resumed_from is None:
                 run_memo.store(key, run, model_dir, result.log_history, history, summary)
-        write_json(model_dir / ROLLOUT_RECORD,
-                   {"prompt": options.prompt, "variant": options.variant, "parallel": options.parallel})
-        write_json(f"metrics/rl/{run}/steps.json", history)
-        write_json(f"metrics/rl/{run}/summary.json", summary)
+        with publish_together() as outputs:
+            rollout = {"prompt": options.prompt, "variant": options.variant, "parallel": options.parallel}
+            outputs.write_json(model_dir / ROLLOUT_RECORD, rollout)
+            outputs.write_json(f"metrics/rl/{run}/steps.json", history)
+            outputs.write_json(f"metrics/rl/{run}/summary.json", summary)
         tracking.log_metrics({key: summary[key] for key in ("mean_step_seconds", "rollout_tokens_per_s",
                                                             "final_reward", "final_accuracy",
                                                             "final_parallel_ratio")})

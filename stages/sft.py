@@ -23,7 +23,7 @@ from contextlib import nullcontext
 from parallel_r1 import tracking
 from parallel_r1.config import from_mapping
 from parallel_r1.data import load_problems
-from parallel_r1.io import read_jsonl, write_json
+from parallel_r1.io import publish_together, read_jsonl
 from parallel_r1.training.probe import probe_parallel_blocks
 from parallel_r1.training.sft import VARIANTS, SFTOptions, train_sft
 from stages.common import is_main_process, load_params, log, section, stage_main
@@ -85,8 +85,9 @@ def main(argv: list[str] | None = None) -> None:
             "wall_seconds": round(time.perf_counter() - started, 1),
             "probe": {"dataset": PROBE_SET, **probe},
         }
-        write_json(f"metrics/sft/{variant}/loss.json", result.loss_history)
-        write_json(f"metrics/sft/{variant}/summary.json", summary)
+        with publish_together() as outputs:
+            outputs.write_json(f"metrics/sft/{variant}/loss.json", result.loss_history)
+            outputs.write_json(f"metrics/sft/{variant}/summary.json", summary)
         tracking.log_metrics({"final_loss": result.final_loss,
                               "parallel_block_rate": probe["parallel_block_rate"],
                               "parallel_tag_rate": probe["parallel_tag_rate"],

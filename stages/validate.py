@@ -41,7 +41,9 @@ def dataset_paths(explicit: list[str]) -> list[Path]:
     """The files named on the command line, else every JSONL the pipeline wrote under data/."""
     if explicit:
         return [Path(p) for p in explicit]
-    paths = [path for kind in KINDS for path in sorted((DATA_DIR / kind).glob("*.jsonl"))]
+    # dot files are never datasets: an interrupted write's temporary, an older version's partial output
+    paths = [path for kind in KINDS for path in sorted((DATA_DIR / kind).glob("*.jsonl"))
+             if not path.name.startswith(".")]
     if not paths:
         raise PipelineError(f"no datasets to validate: {DATA_DIR}/{{{','.join(KINDS)}}}/*.jsonl is empty "
                             "(run the data stages first)")

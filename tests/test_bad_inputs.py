@@ -168,3 +168,80 @@ def test_unknown_reward_schedule_names_the_run_param(workdir, capsys):
     line = one_line_error(main, capsys, ["grpo_gsm8k"])
     assert line.startswith("error: params.yaml rl_runs.grpo_gsm8k.reward: unknown schedule 'kindness' "
                            "(known: ")
+
+
+# ---------------------------------------------------------------- a config that does not match the weights
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    from parallel_r1.models import prepare_base_model
+
+    return prepare_base_model("tiny", tmp_path_factory.mktemp("tiny") / "base")
+
+
+def edited_copy(source: Path, folder: Path, **config_changes) -> Path:
+    """`source` with its config.json edited (the other files linked, not copied)."""
+    folder.mkdir()
+    for item in source.iterdir():
+        if item.name != "config.json":
+            (folder / item.name).symlink_to(item)
+    config = json.loads((source / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **{key: change(config[key]) for key, change
+                                                                  in config_changes.items()}}))
+    return folder
+
+
+MISMATCH = "config.json does not match the weights: tensor "
+ONE_MORE, ONE_LESS = {"num_hidden_layers": lambda n: n + 1, "layer_types": lambda types: types + types[-1:]}, \
+    {"num_hidden_layers": lambda n: n - 1, "layer_types": lambda types: types[:-1]}
+
+
+@pytest.mark.parametrize("change, message", [
+    (ONE_MORE, MISMATCH + "model.layers.2.input_layernorm.weight and 10 more missing in the safetensors files"),
+    (ONE_LESS, MISMATCH + "model.layers.1.input_layernorm.weight and 10 more unexpected in the safetensors files"),
+    ({"intermediate_size": lambda n: n * 2},
+     MISMATCH + "model.layers.0.mlp.down_proj.weight and 5 more with a different shape in the safetensors files"),
+    ({"num_hidden_layers": lambda n: n + 1},   # the config contradicts itself
+     "cannot load model (`num_hidden_layers` (3) must be equal to the number of `layer_types` (2))"),
+])
+def test_tiny_model_whose_config_does_not_match_its_weights_is_refused(tiny_model_dir, tmp_path, change, message):
+    """Used to load with the missing layer at random (transformers' "newly initialized" table only)."""
+    from parallel_r1.models import load_model
+
+    folder = edited_copy(tiny_model_dir, tmp_path / "sft_seen", **change)
+    with pytest.raises(PipelineError) as error:
+        load_model(folder)
+    assert str(error.value) == f"{folder}: {message}"
+    load_model(tiny_model_dir)   # the unedited folder loads
+
+
+@pytest.mark.parametrize("change, message", [
+    (ONE_MORE, MISMATCH + "model.layers.2.input_layernorm.weight and 10 more missing in the safetensors files"),
+    (ONE_LESS, MISMATCH + "model.layers.1.input_layernorm.weight and 10 more unexpected in the safetensors files"),
+    ({"intermediate_size": lambda n: n * 2},
+     MISMATCH + "model.layers.0.mlp.down_proj.weight and 5 more with a different shape in the safetensors files"),
+])
+def test_mismatch_is_found_without_loading_for_the_vllm_engine(tiny_model_dir, tmp_path, change, message):
+    from parallel_r1.models import check_weights_match_config
+
+    folder = edited_copy(tiny_model_dir, tmp_path / "sft_seen", **change)
+    with pytest.raises(PipelineError) as error:
+        check_weights_match_config(folder)
+    assert str(error.value) == f"{folder}: {message}"
+    check_weights_match_config(tiny_model_dir)
+
+
+def test_unknown_rl_init_is_named_by_its_param_path(workdir, capsys):
+    """Used to say `models/nope_model: model folder not found`."""
+    from conftest import set_param
+
+    from stages.rl import main
+
+    set_param(workdir / "params.yaml", "rl_runs.grpo_gsm8k.init", "nope_model")
+    line = one_line_error(main, capsys, ["grpo_gsm8k"])
+    assert line.startswith("error: params.yaml rl_runs.grpo_gsm8k.init: 'nope_model' names no model: "
+                           "models/nope_model not found (known: base, sft_seen, sft_unseen, ")
+    set_param(workdir / "params.yaml", "rl_runs.grpo_gsm8k.init", "sft_seen")
+    line = one_line_error(main, capsys, ["grpo_gsm8k"])
+    assert line.startswith("error: params.yaml rl_runs.grpo_gsm8k.init: 'sft_seen' is not written yet (run its "
+                           "stage first): models/sft_seen not found (known: ")

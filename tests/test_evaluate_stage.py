@@ -161,8 +161,9 @@ def test_killed_evaluation_resumes_where_it_stopped(inside, monkeypatch, capsys)
     partial = inside / "data/partial/eval/base.jsonl"
     first = json.loads((inside / "data/eval/aime24.jsonl").open().readline())["id"]
     counting_engines(monkeypatch, kill_at=2)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit) as stopped:   # Ctrl-C: one line, exit 130
         stage.main(["base"])
+    assert stopped.value.code == 130
     assert not (inside / "data/samples/base").exists()
     kept = [json.loads(line) for line in partial.open()]
     keys = [(r["benchmark"], r["problem_id"], r["sample_index"]) for r in kept]
@@ -198,8 +199,9 @@ def test_killed_scaffold_curve_resumes_without_redoing_a_finished_snapshot(insid
     perturb(run / "steps/step-2")  # a step that moved the weights: not the memo's step-1 samples
     (run / "rollout.json").write_text(json.dumps({"prompt": "parallel", "variant": "seen", "parallel": True}))
     counting_engines(monkeypatch, kill_at=2)   # step-1 is done in one call, the kill hits step-2
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit) as stopped:   # Ctrl-C: one line, exit 130
         stage.main(["scaffold", "--curve"])
+    assert stopped.value.code == 130
     partial = inside / "data/partial/eval"
     assert len((partial / "scaffold-step-1.jsonl").read_text().splitlines()) == 4   # aime25: k=2, 2 problems
     capsys.readouterr()

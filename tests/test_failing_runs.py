@@ -81,22 +81,32 @@ def dvc(repo: Path, *args: str) -> subprocess.CompletedProcess:
                           text=True)
 
 
+def tree(root: Path, names) -> dict[str, bytes]:
+    return {str(path.relative_to(root)): path.read_bytes() for name in names
+            for path in ([root / name] if (root / name).is_file() else sorted((root / name).rglob("*")))}
+
+
 @pytest.mark.slow
-def test_metrics_deleted_by_a_failed_repro_come_back_with_dvc_checkout(tmp_path, mirror):
+@pytest.mark.parametrize("stage, outputs, key, error", [
+    ("filter", OUTPUTS, "filter.max_tokens", "params.yaml filter.max_tokens: must be >= 1, got -5"),
+    ("prepare_data", ("data/rl", "data/eval"), "data.rl.gsm8k.limit",
+     "params.yaml data.rl.gsm8k.limit: must be an integer >= 1 or null, got -5"),
+])
+def test_failed_repro_leaves_the_previous_outputs_in_place(tmp_path, mirror, stage, outputs, key, error):
+    """DVC removes a stage's outputs before running it: a params typo used to leave none in the workspace."""
     repo = copy_repo(tmp_path / "repo", mirror)
     write_teachers(repo, json.dumps(teacher_row()) + "\n", json.dumps(teacher_row(id="d-1")) + "\n")
-    first = dvc(repo, "repro", "--single-item", "filter")
+    first = dvc(repo, "repro", "--single-item", stage)
     assert first.returncode == 0, first.stderr[-2000:]
-    before = {name: (repo / name).read_bytes() for name in OUTPUTS}
+    before = tree(repo, outputs)
+    assert before
 
-    set_param(repo / "params.yaml", "filter.max_tokens", "-1")   # a params typo: the stage stops at once
-    failed = dvc(repo, "repro", "--single-item", "filter")
-    assert failed.returncode != 0 and "filter.max_tokens: must be >= 1" in failed.stdout + failed.stderr
-    assert not (repo / OUTPUTS[0]).exists()                      # DVC removed them before running
-
-    restored = dvc(repo, "checkout", "filter")
-    assert restored.returncode == 0, restored.stderr[-2000:]
-    assert {name: (repo / name).read_bytes() for name in OUTPUTS} == before
+    set_param(repo / "params.yaml", key, "-5")   # a params typo: the stage stops at once
+    failed = dvc(repo, "repro", "--single-item", stage)
+    assert failed.returncode != 0
+    [line] = [line for line in failed.stderr.splitlines() if line.startswith("error: ")]
+    assert line == f"error: {error} (its previous outputs are restored from the DVC cache)"
+    assert tree(repo, outputs) == before
 
 
 # ---------------------------------------------------------------- killed runs in MLflow
@@ -109,7 +119,7 @@ with tracking.stage_run("sft", "seen", params={"profile": "tiny"}):
 """
 
 
-def test_run_killed_with_sigkill_is_closed_by_the_next_run_of_its_stage(tmp_path, monkeypatch):
+def test_run_killed_with_sigkill_is_closed_by_the_next_run_of_any_stage(tmp_path, monkeypatch):
     from mlflow import MlflowClient
 
     from parallel_r1 import tracking
@@ -125,8 +135,9 @@ def test_run_killed_with_sigkill_is_closed_by_the_next_run_of_its_stage(tmp_path
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name("killed").experiment_id
     [orphan] = client.search_runs([experiment], "attributes.status = 'RUNNING'")
-    with tracking.stage_run("sft", "unseen", params={"profile": "tiny"}) as other:   # another stage: kept
-        assert client.get_run(orphan.info.run_id).info.status == "RUNNING"
+    with tracking.stage_run("sft", "unseen", params={"profile": "tiny"}) as other:   # another stage closes it
+        assert client.get_run(orphan.info.run_id).info.status == "KILLED"             # (used to stay RUNNING)
+        client.set_terminated(orphan.info.run_id, status="RUNNING")
         assert tracking.close_orphaned_runs() == [orphan.info.run_id]                  # `make ui` closes all
         assert client.get_run(other).info.status == "RUNNING"                          # a live run stays
     assert client.get_run(orphan.info.run_id).info.status == "KILLED"
@@ -134,3 +145,155 @@ def test_run_killed_with_sigkill_is_closed_by_the_next_run_of_its_stage(tmp_path
     client.set_terminated(orphan.info.run_id, status="RUNNING")
     with tracking.stage_run("sft", "seen", params={"profile": "tiny"}):              # the same stage again
         assert client.get_run(orphan.info.run_id).info.status == "KILLED"
+
+
+# ---------------------------------------------------------------- write errors, file modes, Ctrl-C
+
+def test_write_error_is_one_line_and_the_filter_publishes_all_its_outputs_or_none(filtered, workdir):
+    """Under `ulimit -f 64` the filter used to print a 25-line OSError traceback after replacing its metrics
+    but not its SFT set."""
+    long_row = teacher_row(question="x" * 2000)
+    rows = "".join(json.dumps({**long_row, "id": f"g-{i}"}) + "\n" for i in range(60))   # ~140 kB kept
+    write_teachers(workdir, rows, json.dumps(teacher_row(id="d-1", question="new")) + "\n")
+    done = subprocess.run(["bash", "-c", f"ulimit -f 64 && exec {sys.executable} -m stages.filter"], cwd=workdir,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        "error: data/sft/parallel_gsm8k.jsonl: cannot write (File too large, EFBIG)"]
+    assert {name: (workdir / name).read_bytes() for name in OUTPUTS} == filtered       # none replaced
+    assert not [p for p in workdir.rglob(".*") if p.is_file()]                          # no temporary left
+
+
+def test_published_outputs_get_the_mode_of_any_new_file(filtered, workdir):
+    """The temporary file's 0600 used to survive the rename (data/sft/parallel_gsm8k.jsonl was 0600)."""
+    from parallel_r1.io import atomic_path, current_umask
+
+    assert current_umask() == os.umask(current_umask())
+    for name in OUTPUTS:
+        assert (workdir / name).stat().st_mode & 0o777 == 0o666 & ~current_umask(), name
+    with atomic_path(workdir / "models" / "m", is_dir=True) as tmp:
+        (tmp / "config.json").write_text("{}")
+    assert (workdir / "models" / "m").stat().st_mode & 0o777 == 0o777 & ~current_umask()
+
+
+CTRL_C_STAGE = """
+import sys
+from stages.common import stage_main
+@stage_main
+def main():
+    raise KeyboardInterrupt
+main()
+"""
+
+
+def test_os_error_outside_the_io_module_is_one_line(tmp_path):
+    done = subprocess.run([sys.executable, "-c", CTRL_C_STAGE.replace(
+        "raise KeyboardInterrupt", "open('checkpoints/x', 'w')")], cwd=tmp_path, capture_output=True, text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == ["error: checkpoints/x: No such file or directory (ENOENT)"]
+
+
+def test_ctrl_c_in_a_stage_is_one_line(tmp_path):
+    done = subprocess.run([sys.executable, "-c", CTRL_C_STAGE], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert done.returncode == 130
+    assert done.stderr.strip().splitlines() == ["error: interrupted (Ctrl-C); this stage published nothing more"]
+
+
+def test_zero_rows_error_counts_every_reason_rows_were_dropped(workdir, capsys):
+    """Used to list Algorithm 1's reasons only ({'no_parallel_block': 1}) while the token cap dropped the rest."""
+    from conftest import one_line_error
+
+    from stages.filter import main
+
+    rows = [teacher_row(id=f"g-{i}", completion_tokens=30) for i in range(3)]
+    rows.append(teacher_row(id="g-3", completion="no block\nFinal Answer: 3"))
+    rows.append(teacher_row(id="g-4", completion="<Parallel><Path>a</Path><Path>b</Path></Parallel>"
+                                                 "<Summary>s</Summary>\nFinal Answer: none"))
+    write_teachers(workdir, "".join(json.dumps(row) + "\n" for row in rows), json.dumps(teacher_row()) + "\n")
+    set_param(workdir / "params.yaml", "filter.max_tokens", "1")
+    assert one_line_error(main, capsys) == (
+        "error: data/teacher/gsm8k.jsonl: the filter kept 0 of 5 rows — no SFT data (dropped: over "
+        "filter.max_tokens: 3, no_parallel_block: 1, no_numeric_answer (filter.require_numeric_answer): 1)")
+
+
+# ---------------------------------------------------------------- a killed teacher generation
+
+class FakeTeacher:
+    """A rollout engine that answers `chunks` chunks, then is interrupted (Ctrl-C)."""
+
+    def __init__(self, chunks: int):
+        self.chunks, self.prompts = chunks, 0
+
+    def generate(self, prompt_ids, n):
+        if self.chunks == 0:
+            raise KeyboardInterrupt
+        self.chunks -= 1
+        self.prompts += len(prompt_ids)
+        from types import SimpleNamespace
+        return [SimpleNamespace(text="<think>t</think>Final Answer: 1", truncated=False) for _ in prompt_ids]
+
+
+def test_killed_teacher_generation_keeps_its_partial_file_where_no_dataset_reader_looks(workdir, mirror, monkeypatch,
+                                                                                        capsys):
+    """Used to leave data/teacher/.dapo.partial.jsonl, which validate then read as a dataset after a checkout."""
+    import parallel_r1.engine
+    import stages.generate
+    from stages.validate import dataset_paths
+
+    from test_bad_inputs import fake_model_dir
+
+    fake_model_dir(workdir / "models" / "base")
+    set_param(workdir / "params.yaml", "data.mirror_dir", json.dumps(str(mirror)))
+    set_param(workdir / "params.yaml", "generate_datasets.dapo.limit", "5")
+    monkeypatch.setattr(stages.generate, "CHUNK", 2)
+    teacher = FakeTeacher(chunks=1)
+    monkeypatch.setattr(parallel_r1.engine, "make_engine", lambda *args, **kwargs: teacher)
+    with pytest.raises(SystemExit) as stopped:
+        stages.generate.main(["dapo"])
+    assert stopped.value.code == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: interrupted (Ctrl-C)")
+    assert len((workdir / "data/partial/teacher/dapo.jsonl").read_text().splitlines()) == 2
+    assert not (workdir / "data/teacher").exists()
+    write_teachers(workdir, json.dumps(teacher_row()) + "\n", json.dumps(teacher_row(id="d-1")) + "\n")  # checkout
+    (workdir / "data/teacher/.gsm8k.partial.jsonl").write_text("")          # an older version's leftover
+    assert [p.name for p in dataset_paths([])] == ["dapo.jsonl", "gsm8k.jsonl"]
+
+    teacher.chunks = 5                                                       # the rerun resumes
+    stages.generate.main(["dapo"])
+    assert teacher.prompts == 2 + 3
+    assert len((workdir / "data/teacher/dapo.jsonl").read_text().splitlines()) == 5
+    assert not (workdir / "data/partial/teacher/dapo.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_run_of_a_killed_stage_restored_from_the_run_cache_is_closed(tmp_path, mirror, monkeypatch):
+    """kill -9 a stage, then `make run`: DVC restores the stage's outputs from its run cache, so no run of
+    that name starts again, and its MLflow run used to stay RUNNING."""
+    from mlflow import MlflowClient
+
+    from flows.make_run import make_run
+
+    repo = copy_repo(tmp_path / "repo", mirror)
+    write_teachers(repo, json.dumps(teacher_row()) + "\n", json.dumps(teacher_row(id="d-1")) + "\n")
+    assert dvc(repo, "repro", "--single-item", "filter").returncode == 0
+    uri = f"sqlite:///{repo / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "restored")
+    monkeypatch.delenv("PARALLEL_R1_TRACKING", raising=False)
+    monkeypatch.delenv("PARALLEL_R1_PARENT_RUN_ID", raising=False)
+    killed = subprocess.run([sys.executable, "-c", KILLED_STAGE.replace('"sft", "seen"', '"filter"')], cwd=repo,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    for name in OUTPUTS:                  # DVC had removed the outputs before the stage was killed
+        (repo / name).unlink()
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("restored").experiment_id
+    [orphan] = client.search_runs([experiment], "attributes.status = 'RUNNING'")
+
+    make_run(["--single-item", "filter"], repo)
+    assert all((repo / name).is_file() for name in OUTPUTS)                 # restored, the stage not run
+    assert [run.info.run_name for run in client.search_runs([experiment], "")] == ["make-run@filter", "filter"]
+    assert client.get_run(orphan.info.run_id).info.status == "KILLED"

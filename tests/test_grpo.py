@@ -503,7 +503,8 @@ def test_unknown_run_name_stops_with_one_line(tmp_path, monkeypatch, capsys):
 def test_missing_init_model_stops_with_one_line(tmp_path, monkeypatch, capsys):
     stage_project(tmp_path)
     err = run_stage(tmp_path, monkeypatch, capsys, "grpo_gsm8k")
-    assert err == "error: models/base: model folder not found (did its stage run?)"
+    assert err.startswith("error: params.yaml rl_runs.grpo_gsm8k.init: 'base' is not written yet (run its stage "
+                          "first): models/base not found (known: base, ") and "\n" not in err
 
 
 def test_corrupt_init_model_stops_with_one_line(tmp_path, monkeypatch, capsys, init_dir):

@@ -12,9 +12,11 @@ import json
 import pytest
 import torch
 
+from parallel_r1.errors import PipelineError
 from parallel_r1.format import PARALLEL_OPEN, TAGS
 from parallel_r1.models import (
     SMOLLM2,
+    check_weights_match_config,
     load_model,
     load_pretrained,
     packaged_gguf,
@@ -108,3 +110,27 @@ def test_short_seeded_sft_raises_the_tag_probability_on_held_out_demos(prepared,
     # measured: mean log p(<Parallel>) -16.2 before, -5.9 after (2 updates of 2 rows, bf16, one thread: ~21 s;
     # 4 rows per update in float32 gave -4.4 in ~89 s)
     assert sum(after) / len(after) > sum(before) / len(before) + 3.0, (before, after)
+
+
+def test_small_model_with_a_layer_added_to_its_config_is_refused(prepared, tmp_path):
+    """Used to evaluate with the added layer at random (rc 0; transformers' "newly initialized" table only)."""
+    folder = tmp_path / "sft_seen"
+    folder.mkdir()
+    for item in prepared[0].iterdir():
+        if item.name != "config.json":
+            (folder / item.name).symlink_to(item)
+    config = json.loads((prepared[0] / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    config["num_hidden_layers"] = layers + 1
+    if config.get("layer_types"):
+        config["layer_types"] = [*config["layer_types"], config["layer_types"][-1]]
+    (folder / "config.json").write_text(json.dumps(config))
+    message = (f"{folder}: config.json does not match the weights: tensor model.layers.{layers}.input_layernorm."
+               "weight and 8 more missing in the safetensors files")
+    with pytest.raises(PipelineError) as error:
+        load_model(folder)
+    assert str(error.value) == message
+    with pytest.raises(PipelineError) as error:   # the check before a vLLM engine loads it
+        check_weights_match_config(folder)
+    assert str(error.value) == message
+    check_weights_match_config(prepared[0])

@@ -102,6 +102,9 @@ def make_engine(kind: EngineKind, model_path: str | os.PathLike, tokenizer, conf
                             "CPU)")
     if kind == "vllm":
         from parallel_r1.engine.vllm_backend import VLLMBackend
+        from parallel_r1.models import check_weights_match_config
+
+        check_weights_match_config(model_path)   # vLLM's own check is a traceback from a worker
 
         backend = VLLMBackend(str(model_path), seed=config.seed, **_without(options, _TRANSFORMERS_ONLY))
         return RolloutEngine(backend, tokenizer, config, backend.eos_token_ids(tokenizer))
