@@ -79,7 +79,7 @@ def md5(path: Path) -> str:
 def wait_for_workers(api_url: str, workers: list, base: Path) -> None:
     """Until both workers have registered with the pool (a worker that exits fails the test at once)."""
     from prefect import get_client
-    from prefect.exceptions import ObjectNotFound
+    from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -92,7 +92,7 @@ def wait_for_workers(api_url: str, workers: list, base: Path) -> None:
         with temporary_settings(updates={PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
             try:
                 names = {worker.name for worker in client.read_workers_for_work_pool(POOL)}
-            except ObjectNotFound:
+            except (ObjectNotFound, PrefectHTTPStatusError):  # the pool is not created yet (404)
                 names = set()
 
 

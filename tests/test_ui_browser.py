@@ -165,7 +165,9 @@ def test_prefect_ui_on_a_custom_port_lists_both_deployments_as_ready(browser, st
     with urllib.request.urlopen(f"{stack['prefect']}/ui-settings", timeout=30) as answer:
         assert f'"api_url":"{stack["prefect"]}/api"' in answer.read().decode()
     browser.get(f"{stack['prefect']}/deployments")
-    wait_for(browser, lambda d: page_text(d).count("Ready") == 2, "both deployments Ready")
+    # the flow names under each deployment load after the rows: wait for them too
+    wait_for(browser, lambda d: page_text(d).count("Ready") == 2 and "reproduce" in page_text(d)
+             and "sweep" in page_text(d), "both deployments Ready, with their flows")
     text = page_text(browser)
     browser.save_screenshot(str(SCREENSHOTS / "prefect_deployments.png"))
     assert "2 Deployments" in text and "reproduce" in text and "sweep" in text
