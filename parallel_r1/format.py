@@ -267,6 +267,39 @@ def path_diversity(text: str) -> float | None:
     return sum(block_diversity(text, b) for b in blocks) / len(blocks) if blocks else None
 
 
+# The official diversity reward's self-BLEU (`math_dapo_accuracy_add_parallel_add_diversity.py` in the
+# authors' VERL fork) reads blocks and paths with these non-greedy regexes, not with Algorithm 1: a block
+# missing its summary still counts, an unclosed one does not.
+_BLOCK_TEXT = re.compile(r"<Parallel>(.*?)</Parallel>", flags=re.S)
+_PATH_TEXT = re.compile(r"<Path>(.*?)</Path>", flags=re.S)
+NO_BLOCK_SELF_BLEU = 1.0  # official: no block, or a block with < 2 paths, is "fully homogeneous"
+
+
+def paths_self_bleu(paths: list[str]) -> float:
+    """Mean pairwise sentence BLEU of `paths` in [0, 1]: sacrebleu's `sentence_bleu(p, [q])` (13a tokens,
+    exp smoothing) / 100 over each unordered pair (p before q), as the official reward computes it.
+
+    1 = copies, 0 = no shared n-gram; fewer than two paths give NO_BLOCK_SELF_BLEU.
+    """
+    if len(paths) < 2:
+        return NO_BLOCK_SELF_BLEU
+    from itertools import combinations
+
+    import sacrebleu  # imported here: the modules that only read the format do not load it
+
+    scores = [sacrebleu.sentence_bleu(p, [q]).score / 100.0 for p, q in combinations(paths, 2)]
+    return sum(scores) / len(scores)
+
+
+def self_bleu(text: str) -> float:
+    """Mean `paths_self_bleu` over the `<Parallel>...</Parallel>` spans of `text` (tags kept), as the
+    official diversity reward reads them; NO_BLOCK_SELF_BLEU when there is none."""
+    blocks = _BLOCK_TEXT.findall(text)
+    if not blocks:
+        return NO_BLOCK_SELF_BLEU
+    return sum(paths_self_bleu(_PATH_TEXT.findall(block)) for block in blocks) / len(blocks)
+
+
 def count_blocks(text: str) -> int:
     """Number of well-formed blocks (0 when the text fails Algorithm 1)."""
     return len(parse_blocks(text))

@@ -54,18 +54,27 @@ ROW_LABELS = {
     "without_prompt": "Seen, without the Parallel Thinking prompt",
     "accuracy_only": "Unseen, accuracy-only reward (S1)", "parallel_only": "Unseen, parallel-only reward",
     "alternating": "Unseen, alternating reward (S2)",
+    "parallel_diversity": "Unseen, accuracy + parallel − 0.3 × self-BLEU (beyond the paper's tables)",
 }
+# Rows a report may hold beyond the paper's: no paper number ("—"). parallel_diversity is the reward of the
+# authors' released code (`math_dapo_accuracy_add_parallel_add_diversity.py`) that the paper does not report.
+BEYOND_PAPER_ROWS = ("parallel_diversity",)
+# Reward schedules that pay nothing above -1 without a correct answer (rewards.py): on a model that answers
+# ~nothing correctly every rollout gets the same reward, so GRPO has no gradient.
+NEEDS_A_CORRECT_ANSWER = ("accuracy", "parallel_times_accuracy", "tiered", "alternating", "scaffold")
 
 PROFILE_NOTES = {
-    "small": "SmolLM2-135M-Instruct on a CPU, minutes of SFT and a few RL steps. What it shows: the "
-             "model learns the parallel format in SFT (parallel ratio, block position, path diversity) "
-             "and every cell is computed by the real pipeline. What it cannot show: the paper's "
+    "small": "SmolLM2-135M-Instruct on a CPU, minutes of SFT and of RL. What it shows: the "
+             "model learns the parallel format in SFT (parallel ratio, block position, path diversity), "
+             "the parallel-only and the diversity-aware parallel rewards train for ten steps to move "
+             "it (reports/heldout.md: init vs final on held-out GSM8K questions), and every cell is "
+             "computed by the real pipeline. What it cannot show: the paper's "
              "accuracies -- a 135M model scores ~0 on AIME/AMC/MATH, and on GSM8K its answers (trained "
              "on the released demos that fit 288 tokens, so most end inside the token cap) are rarely "
-             "right. So in RL only the parallel-only reward reliably "
-             "gets a gradient: accuracy, parallel x accuracy, tiered and alternating give every rollout -1 "
-             "until one answer is correct (tiered pays only for correct answers), and a GRPO group of equal "
-             "rewards moves no weight (column 'steps with reward spread')",
+             "right (SFT-Seen at T = 1: 1/48 on its own SFT questions, 0/48 on GSM8K train). So the runs "
+             "whose reward needs a correct answer (accuracy, parallel x accuracy, tiered, alternating, "
+             "scaffold) give every rollout -1 until one answer is correct, a GRPO group of equal rewards "
+             "moves no weight, and they run 1-2 steps as mechanics checks (column 'steps with a gradient')",
     "tiny": "a random-init tiny model; accuracies are not comparable to the paper, "
             "every cell is computed by the real pipeline",
     "paper": "the paper's settings; numbers are comparable to the paper's",
@@ -82,6 +91,8 @@ class ReportOptions:
     reward_schedule_runs: RL runs compared in reports/reward_schedules.md (`metrics/rl/<run>/`).
     base_model_label: the profile's base model by name, for the rows whose paper name is the paper's base
         model (on the small profile Table 2's "Qwen3-4B-Base" row is SmolLM2's).
+    heldout_runs / heldout_benchmark: RL runs whose final model reports/heldout.md compares with their init
+        model on that benchmark's evaluation samples (`data/samples/<model>/<benchmark>.jsonl`).
     """
 
     table1_datasets: list[str] = field(default_factory=lambda: ["gsm8k", "dapo"])
@@ -98,11 +109,16 @@ class ReportOptions:
         "with_prompt": "parallel_r1_seen", "without_prompt": "parallel_r1_seen_without_prompt"})
     ablation_reward_rows: dict[str, str] = field(default_factory=lambda: {
         "accuracy_only": "parallel_r1_unseen_s1", "parallel_only": "parallel_r1_unseen_parallel_only",
+        "parallel_diversity": "parallel_r1_unseen_parallel_diversity",
         "alternating": "parallel_r1_unseen_s2"})
     figure3_runs: list[str] = field(default_factory=lambda: ["parallel_r1_seen", "parallel_r1_unseen_s1",
                                                              "parallel_r1_unseen_s2"])
+    heldout_runs: list[str] = field(default_factory=lambda: [
+        "parallel_r1_unseen_parallel_only", "parallel_r1_unseen_parallel_diversity"])
+    heldout_benchmark: str = "gsm8k"
     reward_schedule_runs: list[str] = field(default_factory=lambda: [
-        "parallel_r1_unseen_s1", "parallel_r1_unseen_parallel_only", "parallel_r1_unseen_s2", "scaffold"])
+        "parallel_r1_unseen_s1", "parallel_r1_unseen_parallel_only", "parallel_r1_unseen_parallel_diversity",
+        "parallel_r1_unseen_s2", "scaffold"])
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -235,8 +251,9 @@ def _sample_counts(eval_metrics: Mapping[str, Mapping[str, dict]], models: Seque
     return "Samples per model: " + "; ".join(parts) + "."
 
 
-def _check_rows(rows: Mapping[str, str], paper_rows: Mapping[str, Any], report: str) -> None:
-    unknown = [key for key in rows if key not in paper_rows]
+def _check_rows(rows: Mapping[str, str], paper_rows: Mapping[str, Any], report: str,
+                beyond: Sequence[str] = ()) -> None:
+    unknown = [key for key in rows if key not in paper_rows and key not in beyond]
     if unknown:
         known = ", ".join(paper_rows)
         raise PipelineError(f"{report} rows: unknown row {unknown[0]!r} (paper rows: {known})")
@@ -340,9 +357,11 @@ def table2(eval_metrics: Mapping[str, Mapping[str, dict]], rows: Mapping[str, st
 
 def _ablation(title: str, paper_rows: Mapping[str, Mapping[str, float]],
               eval_metrics: Mapping[str, Mapping[str, dict]],
-              rows: Mapping[str, str], profile: str, report: str, note: str = "") -> str:
-    """An ablation table: for each paper column, ours | paper | Δ side by side."""
-    _check_rows(rows, paper_rows, report)
+              rows: Mapping[str, str], profile: str, report: str, note: str = "",
+              beyond: Sequence[str] = ()) -> str:
+    """An ablation table: for each paper column, ours | paper | Δ side by side; rows in `beyond` have no
+    paper number."""
+    _check_rows(rows, paper_rows, report, beyond)
     columns = list(dict.fromkeys(c for ref in paper_rows.values() for c in ref))
     scores = {key: model_scores(eval_metrics, model, profile, report) for key, model in rows.items()}
     ks = _ks(eval_metrics, list(rows.values()))
@@ -353,7 +372,7 @@ def _ablation(title: str, paper_rows: Mapping[str, Mapping[str, float]],
     for key, model in rows.items():
         cells = [ROW_LABELS.get(key, key), f"`models/{model}`"]
         for col in columns:
-            ours, ref = scores[key][col], paper_rows[key].get(col)
+            ours, ref = scores[key][col], paper_rows.get(key, {}).get(col)
             cells += [_pct(ours), _pct(ref), delta(ours, ref)]
         body.append(cells)
     lines = _header_lines(title, profile, [
@@ -386,7 +405,11 @@ def ablation_reward(eval_metrics: Mapping[str, Mapping[str, dict]], rows: Mappin
     """Reward modelling for Parallel-R1-Unseen: accuracy-only, parallel-only, alternating."""
     return _ablation("Reward ablation — Parallel-R1-Unseen", paper_results()["reward_ablation_unseen"],
                      eval_metrics, rows or ReportOptions().ablation_reward_rows, profile, "ablation_reward",
-                     note=" The paper reports no AMC23 number for the alternating reward.")
+                     note=" The paper reports no AMC23 number for the alternating reward. The row "
+                          "'accuracy + parallel − 0.3 × self-BLEU' is beyond the paper's tables: the reward "
+                          "of the authors' released code "
+                          "(`math_dapo_accuracy_add_parallel_add_diversity.py`), "
+                          "with no paper number.", beyond=BEYOND_PAPER_ROWS)
 
 
 def rl_runs(summaries: Mapping[str, Mapping[str, Any]], steps: Mapping[str, Sequence[Mapping[str, Any]]],
@@ -412,7 +435,8 @@ def rl_runs(summaries: Mapping[str, Mapping[str, Any]], steps: Mapping[str, Sequ
 
         diversity = [h["path_diversity"] for h in history if h.get("path_diversity") is not None]
         reused = f" (= `{summary['reused_from']}`)" if summary.get("reused_from") else ""
-        body.append([f"`{run}`{reused}", str(summary["reward"]), str(summary["variant"]),
+        gated = "yes" if summary["reward"] in NEEDS_A_CORRECT_ANSWER else "no"
+        body.append([f"`{run}`{reused}", str(summary["reward"]), gated, str(summary["variant"]),
                      f"{summary['steps_with_reward_spread']} / {summary['steps']}", moved("reward"),
                      moved("parallel_ratio"), moved("accuracy"),
                      f"{sum(diversity) / len(diversity):.2f}" if diversity else "—",
@@ -422,10 +446,12 @@ def rl_runs(summaries: Mapping[str, Mapping[str, Any]], steps: Mapping[str, Sequ
         "`frac_reward_zero_std` < 1); only those change a weight. Columns with → show the first and the "
         "last step. Path diversity = 1 − mean pairwise word-level similarity of a block's paths, averaged "
         "over the steps' responses with a block. (= `run`): the same computation as that run (equal init "
-        "weights, prompts, options and rewards), whose model and steps it reused.",
+        "weights, prompts, options and rewards), whose model and steps it reused. Needs a correct answer: "
+        "the reward pays nothing above its minimum without one, so on a model that answers ~nothing "
+        "correctly its groups have no spread and its steps move no weight.",
     ])
-    lines += _table(["Run", "Reward schedule", "Variant", "Steps with a gradient", "Reward", "Parallel ratio",
-                     "Accuracy", "Path diversity", "s / step"], body)
+    lines += _table(["Run", "Reward schedule", "Needs a correct answer", "Variant", "Steps with a gradient",
+                     "Reward", "Parallel ratio", "Accuracy", "Path diversity", "s / step"], body)
     return "\n".join(lines) + "\n"
 
 

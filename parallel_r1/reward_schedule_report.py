@@ -1,5 +1,6 @@
 """Reward schedules side by side: reports/reward_schedules.md and .png, the schedules the paper
-compares (§4.3-4.5): accuracy-only, parallel-only, alternating (S2) and scaffold.
+compares (§4.3-4.5): accuracy-only, parallel-only, alternating (S2) and scaffold, and the diversity-aware
+parallel reward of the authors' released code (beyond the paper's tables).
 
 The DVC stage builds it from the RL runs' own files (`runs_from_metrics`: metrics/rl/<run>/steps.json
 and summary.json, declared deps), so it is rebuilt exactly when a run changes and needs no
@@ -23,6 +24,7 @@ from parallel_r1.io import atomic_path
 SCHEDULES = {
     "accuracy": "accuracy-only",
     "parallel_only": "parallel-only",
+    "parallel_diversity": "parallel + diversity (beyond the paper's tables)",
     "alternating": "alternating (S2)",
     "scaffold": "scaffold (S2, then accuracy-only)",
 }
@@ -32,6 +34,7 @@ METRICS = {
     "reward": "reward",
     "accuracy": "accuracy",
     "parallel_ratio": "parallel_ratio",
+    "path_diversity": "path_diversity",
 }
 RL_STAGE = "rl"
 
@@ -106,8 +109,8 @@ def runs_from_metrics(metrics: Mapping[str, RunMetrics]) -> list[RunCurves]:
 
 
 def markdown(runs: list[RunCurves], source: str, plot_name: str = "reward_schedules.png") -> str:
-    """A table: one row per run with its last and best value of each curve."""
-    header = ["schedule", "run", "steps", *(f"last {curve}" for curve in METRICS),
+    """A table: one row per run with the first → last and the best value of each curve."""
+    header = ["schedule", "run", "steps", *(f"{curve} first → last" for curve in METRICS),
               *(f"best {curve}" for curve in METRICS)]
     lines = ["# Reward schedules", "",
              f"RL runs from {source}, compared over steps (rollout batches); "
@@ -116,7 +119,8 @@ def markdown(runs: list[RunCurves], source: str, plot_name: str = "reward_schedu
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for run in runs:
         steps = max((len(points) for points in run.curves.values()), default=0)
-        last = [_fmt(points[-1][1] if points else None) for points in run.curves.values()]
+        last = [f"{_fmt(points[0][1])} → {_fmt(points[-1][1])}" if points else _fmt(None)
+                for points in run.curves.values()]
         best = [_fmt(max((value for _, value in points), default=None)) for points in run.curves.values()]
         name = f"[{run.name}]({run.url})" if run.url else run.name
         lines.append("| " + " | ".join([SCHEDULES[run.schedule], name, str(steps), *last, *best]) + " |")

@@ -18,7 +18,7 @@ completions with `skip_special_tokens=True`, which strips our tags, so the rollo
 passes the raw text in `completion_text`; it wins over `completions` when present.
 
 Schedules are names resolved through one registry (`REWARDS`, `build_reward`). A schedule
-picks, per optimizer step, one of four reward types; steps are 1-based and come from
+picks, per optimizer step, one of five reward types; steps are 1-based and come from
 `trainer_state.global_step // updates_per_step + 1`: a step is one rollout batch, which feeds
 `updates_per_step` optimizer updates (GRPO mini-batches), and TRL generates (and scores) the
 batch of step s while `global_step` still counts the (s - 1) x updates_per_step finished updates.
@@ -34,7 +34,7 @@ from typing import Any, Callable, Literal, Mapping
 
 from parallel_r1.config import check_fields
 from parallel_r1.errors import PipelineError
-from parallel_r1.format import PARALLEL_OPEN, TAG_PATTERN, is_parallel
+from parallel_r1.format import PARALLEL_OPEN, TAG_PATTERN, is_parallel, self_bleu
 
 ANSWER_KINDS = ("gsm8k", "math")
 CHECKERS = ("paper", "math_verify")
@@ -165,7 +165,8 @@ ACCURACY = "accuracy"
 PARALLEL_TIMES_ACCURACY = "parallel_times_accuracy"
 TIERED = "tiered"
 PARALLEL_ONLY = "parallel_only"
-REWARD_TYPES = (ACCURACY, PARALLEL_TIMES_ACCURACY, TIERED, PARALLEL_ONLY)
+PARALLEL_DIVERSITY = "parallel_diversity"
+REWARD_TYPES = (ACCURACY, PARALLEL_TIMES_ACCURACY, TIERED, PARALLEL_ONLY, PARALLEL_DIVERSITY)
 
 
 @dataclass(frozen=True)
@@ -191,6 +192,13 @@ class RewardConfig:
             step s is tiered when (s - 1) mod window >= window - tiered_steps.
         switch_step: scaffold uses the alternating schedule for steps 1..switch_step, then
             accuracy-only (200).
+    Diversity-aware parallel reward (beyond the paper's tables: the authors' released
+    `math_dapo_accuracy_add_parallel_add_diversity.py`, reward_method
+    `accuracy_add_parallel_add_diversity_reward`):
+        correct_reward / incorrect_reward + parallel_bonus (1.0) if the response holds `<Parallel>`
+        - self_bleu_weight (0.3) x `format.self_bleu` (mean pairwise sentence BLEU of each block's
+        paths; 1.0 without a block). As officially, the bonus needs only a `<Parallel>` tag, not a
+        well-formed block: an unclosed block gets it and the full self-BLEU penalty.
     """
 
     checker: str = "paper"
@@ -202,6 +210,8 @@ class RewardConfig:
     window: int = field(default=10, metadata={"min": 1})
     tiered_steps: int = field(default=2, metadata={"min": 0})
     switch_step: int = field(default=200, metadata={"min": 0})
+    parallel_bonus: float = 1.0
+    self_bleu_weight: float = 0.3
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -228,6 +238,7 @@ REWARDS: dict[str, Schedule] = {
     PARALLEL_TIMES_ACCURACY: lambda step, config: PARALLEL_TIMES_ACCURACY,  # GSM8K RL (stage 4)
     TIERED: lambda step, config: TIERED,
     PARALLEL_ONLY: lambda step, config: PARALLEL_ONLY,  # reward ablation
+    PARALLEL_DIVERSITY: lambda step, config: PARALLEL_DIVERSITY,  # the authors' code, beyond the tables
     "alternating": _alternating,  # Unseen S2
     "scaffold": _scaffold,  # section 4.5
 }
@@ -243,6 +254,7 @@ SCHEDULE_KNOBS: dict[str, tuple[str, ...]] = {
     PARALLEL_TIMES_ACCURACY: (),
     TIERED: _TIERED_KNOBS,
     PARALLEL_ONLY: (),
+    PARALLEL_DIVERSITY: ("parallel_bonus", "self_bleu_weight"),
     "alternating": (*_TIERED_KNOBS, "window", "tiered_steps"),
     "scaffold": (*_TIERED_KNOBS, "window", "tiered_steps", "switch_step"),
 }
@@ -259,9 +271,14 @@ def reward_type_at(name: str, step: int, config: RewardConfig | None = None) -> 
     return _schedule(name)(step, config or RewardConfig())
 
 
-def score(reward_type: str, correct: bool, parallel: bool, attempted: bool, config: RewardConfig) -> float:
-    """Reward of one response: `parallel` = >= 1 well-formed block, `attempted` = any `<Parallel>`."""
+def score(reward_type: str, correct: bool, parallel: bool, attempted: bool, config: RewardConfig,
+          paths_self_bleu: float = 1.0) -> float:
+    """Reward of one response: `parallel` = >= 1 well-formed block, `attempted` = any `<Parallel>`,
+    `paths_self_bleu` = `format.self_bleu` of the response (read by parallel_diversity only)."""
     win, lose = config.correct_reward, config.incorrect_reward
+    if reward_type == PARALLEL_DIVERSITY:
+        bonus = config.parallel_bonus if attempted else 0.0
+        return (win if correct else lose) + bonus - config.self_bleu_weight * paths_self_bleu
     if reward_type == ACCURACY:
         return win if correct else lose
     if reward_type == PARALLEL_TIMES_ACCURACY:
@@ -345,15 +362,19 @@ class RewardFunction:
         correct = [is_correct(t, g, k, self.config.checker)
                    for t, g, k in zip(texts, truths, kinds, strict=True)]
         parallel = [is_parallel(t, self.config.parallel_check) for t in texts]
+        diverse = reward_type == PARALLEL_DIVERSITY
+        bleus = [self_bleu(t) if diverse else 1.0 for t in texts]  # sacrebleu only where it is read
         rewards = [
-            score(reward_type, c, p, PARALLEL_OPEN in t, self.config)
-            for t, c, p in zip(texts, correct, parallel, strict=True)
+            score(reward_type, c, p, PARALLEL_OPEN in t, self.config, b)
+            for t, c, p, b in zip(texts, correct, parallel, bleus, strict=True)
         ]
         log_metric = kwargs.get("log_metric")
         if log_metric is not None and texts:
             log_metric("accuracy", sum(correct) / len(texts))
             log_metric("parallel_ratio", sum(parallel) / len(texts))
             log_metric("reward_type_tiered", float(reward_type == TIERED))
+            if diverse:
+                log_metric("self_bleu", sum(bleus) / len(bleus))
         return rewards
 
     def __repr__(self) -> str:

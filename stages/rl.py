@@ -46,6 +46,9 @@ PROBLEM_FIELDS = ("id", "question", "ground_truth", "answer_kind")
 # Which RLOptions fields each params.yaml section sets (the rest: the stage, or defaults).
 RUN_KEYS = ("init", "dataset", "reward", "variant", "prompt", "parallel", "epsilon_high", "snapshots")
 DATASET_KEYS = ("batch_size", "num_generations", "max_steps", "mini_batch_size")
+# What a run's own entry may also override (its dataset's or `rl`'s value): a profile lets the runs that can
+# move on its model train longer and faster than the mechanics checks (conf/profile/small.yaml).
+RUN_OVERRIDES = ("max_steps", "lr")
 SHARED_KEYS = tuple(f.name for f in dataclasses.fields(RLOptions)
                     if f.name not in (*RUN_KEYS, *DATASET_KEYS, "run", "seed", "snapshot_every"))
 # How the model generates, saved with it: evaluate@<run> reads it from models/<run> (its declared dep)
@@ -56,7 +59,8 @@ ROLLOUT_RECORD = "rollout.json"
 def rl_options(params: dict, run: str) -> RLOptions:
     """The run's options: `rl` (every run), `rl_datasets.<its dataset>` and its own `rl_runs` entry.
 
-    Each section may hold only its own keys, so an error names the section to fix.
+    Each section may hold only its own keys (a run entry also RUN_OVERRIDES, which win), so an error
+    names the section to fix.
     """
     entry = section(params, "rl_runs", run)
     if not isinstance(entry, dict):
@@ -66,7 +70,7 @@ def rl_options(params: dict, run: str) -> RLOptions:
     if dataset not in datasets:
         raise PipelineError(f"params.yaml rl_runs.{run}.dataset: {dataset!r} has no entry in rl_datasets "
                             f"(known: {', '.join(datasets) or 'none'})")
-    layers = {f"params.yaml rl_runs.{run}": (entry, RUN_KEYS),
+    layers = {f"params.yaml rl_runs.{run}": (entry, (*RUN_KEYS, *RUN_OVERRIDES)),
               f"params.yaml rl_datasets.{dataset}": (datasets[dataset] or {}, DATASET_KEYS),
               "params.yaml rl": (section(params, "rl"), SHARED_KEYS)}
     origins = {}
@@ -74,7 +78,8 @@ def rl_options(params: dict, run: str) -> RLOptions:
         unknown = sorted(set(values) - set(allowed))
         if unknown:
             raise PipelineError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(allowed)})")
-        origins.update({key: where for key in values})
+        for key in values:  # layers run from the winning one (the run's entry) down
+            origins.setdefault(key, where)
     values = {**section(params, "rl"), **(datasets[dataset] or {}), **entry, "run": run,
               "seed": int(params.get("seed", 0))}
     every = section(params, "scaffold_curve").get("every")

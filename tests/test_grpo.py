@@ -166,11 +166,18 @@ def test_vllm_engine_turns_on_trl_vllm_so_trl_syncs_its_weights(tmp_path):
     ({"dataset": "math"}, "rl_runs.test_run.dataset: 'math' has no entry in rl_datasets"),
     ({"reward": "kindness"}, "rl_runs.test_run.reward: unknown schedule 'kindness'"),
     ({"variant": "hidden"}, "variant: expected one of 'seen', 'unseen'"),
+    ({"lr": -1.0}, "params.yaml rl_runs.test_run.lr"),   # an override's error names the run's entry
+    ({"batch_size": 8}, "rl_runs.test_run: unknown key 'batch_size'"),   # only RUN_OVERRIDES may override
 ])
 def test_bad_run_entry_is_a_one_line_error(run, message):
     with pytest.raises(PipelineError, match=message) as error:
         options(**run)
     assert "\n" not in str(error.value)
+
+
+def test_a_run_entry_overrides_max_steps_and_lr_of_its_dataset_and_rl():
+    assert (options().max_steps, options().lr) == (1, RL["lr"])
+    assert (options(max_steps=12, lr=1e-4).max_steps, options(max_steps=12, lr=1e-4).lr) == (12, 1e-4)
 
 
 def test_long_prompts_are_dropped_and_columns_kept_for_rewards(tokenizer):

@@ -16,7 +16,8 @@ from stages import reports as stage
 
 TABLE2_MODELS = reports.ReportOptions().table2_rows
 EXTRA_MODELS = ("parallel_r1_seen_without_gsm8k_rl", "parallel_r1_unseen_s1_with_gsm8k_rl",
-                "parallel_r1_seen_without_prompt", "parallel_r1_unseen_parallel_only")
+                "parallel_r1_seen_without_prompt", "parallel_r1_unseen_parallel_only",
+                "parallel_r1_unseen_parallel_diversity")
 # k and problems per benchmark in the fixture: 16 samples x 2 problems, MATH 1 x 4.
 SHAPE = {"aime25": (16, 2), "aime24": (16, 2), "amc23": (16, 2), "math": (1, 4)}
 
@@ -157,6 +158,9 @@ def test_ablation_reward_leaves_cells_the_paper_lacks_empty():
     cells = table_row(markdown, "", reports.ROW_LABELS["alternating"])
     assert cells[1:] == ["`models/parallel_r1_unseen_s2`", "0.0", "63.0", "-63.0", "10.0", "—", "—"]
     assert "80.3" in markdown and "59.4" in markdown
+    beyond = table_row(markdown, "", reports.ROW_LABELS["parallel_diversity"])   # no paper number: "—"
+    assert beyond[1] == "`models/parallel_r1_unseen_parallel_diversity`" and beyond[3::3] == ["—", "—"]
+    assert "beyond the paper's tables" in markdown
 
 
 # ---------------------------------------------------------------- Table 1
@@ -306,15 +310,15 @@ def test_rl_runs_report_counts_steps_with_a_gradient():
     text = reports.rl_runs(summaries, steps, "small")
     assert "SmolLM2-135M-Instruct" in text.splitlines()[2]  # the banner names the default model
     cells = table_row(text, "", "`parallel_r1_unseen_parallel_only`")
-    assert cells[3:8] == ["2 / 3", "-0.50 → 0.50", "0.25 → 0.75", "0.00 → 0.00", "0.50"]
+    assert cells[2:9] == ["no", "unseen", "2 / 3", "-0.50 → 0.50", "0.25 → 0.75", "0.00 → 0.00", "0.50"]
 
 
 def test_rl_runs_report_names_the_run_a_reused_run_is():
     summary = {"reward": "accuracy", "variant": "seen", "steps": 2, "steps_with_reward_spread": 0}
     summaries = {"grpo_dapo": summary, "grpo_gsm8k_then_dapo": {**summary, "reused_from": "grpo_dapo"}}
     text = reports.rl_runs(summaries, {}, "small")
-    assert table_row(text, "", "`grpo_gsm8k_then_dapo` (= `grpo_dapo`)")[3] == "0 / 2"
-    assert table_row(text, "", "`grpo_dapo`")[3] == "0 / 2"
+    assert table_row(text, "", "`grpo_gsm8k_then_dapo` (= `grpo_dapo`)")[2:5] == ["yes", "seen", "0 / 2"]
+    assert table_row(text, "", "`grpo_dapo`")[4] == "0 / 2"
 
 
 def test_rl_runs_report_names_a_summary_missing_its_keys():

@@ -10,6 +10,7 @@ import pytest
 from parallel_r1.errors import PipelineError
 
 RUNS = {"parallel_r1_unseen_s1": "accuracy", "parallel_r1_unseen_parallel_only": "parallel_only",
+        "parallel_r1_unseen_parallel_diversity": "parallel_diversity",
         "parallel_r1_unseen_s2": "alternating", "scaffold": "scaffold"}
 
 
@@ -41,7 +42,9 @@ def test_report_compares_every_schedule_from_the_step_files(project):
     assert [row.split(" | ")[1] for row in rows] == [f"rl@{run}" for run in RUNS]
     scaffold = rows[-1].split(" | ")
     assert scaffold[:3] == ["| scaffold (S2, then accuracy-only)", "rl@scaffold", "3"]
-    assert scaffold[3] == "0.900"  # last reward; parallel_ratio None in every step -> no points, not 0
+    assert scaffold[3] == "0.400 → 1.200"  # first → last reward
+    assert scaffold[5] == "—"  # parallel_ratio None in every step -> no points, not 0
+    assert "path_diversity first → last" in text and "parallel + diversity (beyond the paper's tables)" in text
     assert "No finished runs" not in text and "metrics/rl/<run>/steps.json" in text
     assert (project / "reports" / "reward_schedules.png").read_bytes()[:4] == b"\x89PNG"
 

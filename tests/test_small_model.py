@@ -134,3 +134,80 @@ def test_small_model_with_a_layer_added_to_its_config_is_refused(prepared, tmp_p
         check_weights_match_config(folder)
     assert str(error.value) == message
     check_weights_match_config(prepared[0])
+
+
+class ForkHalfTheRollouts:
+    """The first token of even batch rows is FORK_WORD, of odd rows STOP_WORD (so every group of 4 rollouts has
+    both). FORK_WORD rollouts open `<Parallel>` after 3 tokens; the engine forks 2 paths, each closed after
+    PATH_TOKENS sampled tokens; a 1-token summary, 2 more tokens, EOS. STOP_WORD rollouts stop after 6 tokens.
+    Everything else is SmolLM2's own sampling at T = 1. Tags and EOS are banned elsewhere."""
+
+    PATH_TOKENS = 8
+
+    def __init__(self, tokenizer) -> None:
+        from dataclasses import astuple
+
+        from parallel_r1.structure import TagIds
+
+        self.tags = TagIds.from_tokenizer(tokenizer)
+        self.eos = tokenizer.eos_token_id
+        self.special = [*astuple(self.tags), self.eos]
+        self.turn = tokenizer.convert_tokens_to_ids("<|im_start|>")
+        self.firsts = [tokenizer(word, add_special_tokens=False)["input_ids"][0] for word in ("Let", "The")]
+        self.header = len(tokenizer("assistant\n", add_special_tokens=False)["input_ids"])  # SmolLM2: 3
+
+    def wanted(self, generated: list[int], row: int) -> int | None:
+        if not generated:
+            return self.firsts[row % 2]
+        marks = [i for i, token in enumerate(generated) if token in self.special]
+        last = generated[marks[-1]] if marks else None
+        since = len(generated) - (marks[-1] + 1 if marks else 0)
+        t = self.tags
+        if last is None and since == 3 and generated[0] == self.firsts[0]:
+            return t.parallel_open
+        rules = {None: (6, self.eos), t.path_open: (self.PATH_TOKENS, t.path_close),
+                 t.summary_open: (1, t.summary_close), t.summary_close: (2, self.eos)}
+        after, token = rules.get(last, (-1, None))
+        return token if since == after else None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.clone()
+        scores[:, self.special] = float("-inf")
+        for row, sequence in enumerate(input_ids.tolist()):
+            start = len(sequence) - sequence[::-1].index(self.turn) + self.header  # after "<|im_start|>assistant\n"
+            token = self.wanted(sequence[start:], row)
+            if token is not None:
+                scores[row] = float("-inf")
+                scores[row, token] = 0.0
+        return scores
+
+
+def test_seeded_grpo_steps_under_the_diversity_reward_get_a_spread_and_move_the_weights(prepared, tmp_path):
+    """Two seeded Unseen GRPO steps of SmolLM2 under parallel_diversity (the small profile's lr): every step
+    has a reward spread (half the group earns the parallel bonus, less its paths' self-BLEU) and the policy
+    moves. Asserts what GRPO needs to learn on this model, not how fast it runs."""
+    from parallel_r1.rewards import RewardConfig
+    from parallel_r1.training.grpo import RLOptions, train_rl
+
+    folder, _, tokenizer, _ = prepared
+    question = "Lee has 28 pencils and buys 3 more. How many pencils does Lee have?"
+    problems = [{"id": "p1", "question": question, "ground_truth": "31", "answer_kind": "gsm8k"}]
+    options = RLOptions(run="diversity", init="base", dataset="gsm8k", reward="parallel_diversity",
+                        variant="unseen", prompt="parallel", parallel=True, batch_size=1, num_generations=4,
+                        max_steps=2, lr=1e-4, max_completion_tokens=48, engine="transformers",
+                        per_device_batch_size=4, save_steps=1, gradient_checkpointing=False, seed=0)
+    result = train_rl(options, folder, problems, tmp_path / "model", tmp_path / "checkpoints",
+                      reward_config=RewardConfig(), dtype="bfloat16",
+                      engine_options={"logits_processor": ForkHalfTheRollouts(tokenizer)})
+    assert [record["step"] for record in result.history] == [1, 2]
+    for record in result.history:
+        assert record["reward_type"] == "parallel_diversity"
+        assert record["frac_reward_zero_std"] == 0.0 and record["reward_std"] > 0.3, record
+        assert record["parallel_ratio"] == 0.5 and record["path_diversity"] is not None, record
+        assert -1.3 - 1e-6 <= record["reward"] <= 2.0 + 1e-6
+    before, _ = load_model(folder)
+    after, _ = load_model(result.model_dir)
+    old, new = before.state_dict(), after.state_dict()
+    delta = sum(float((new[k].float() - old[k].float()).norm() ** 2) for k in old) ** 0.5
+    norm = sum(float(old[k].float().norm() ** 2) for k in old) ** 0.5
+    assert delta / norm > 1e-4, delta / norm   # two Adam steps of lr 1e-4 move every updated weight by ~lr

@@ -395,6 +395,7 @@ def train_rl(options: RLOptions, init_dir: str | os.PathLike, rows: Sequence[Map
     engine = options.resolved_engine()
     if engine != "vllm":
         _keep_trl_off_vllm()
+    from parallel_r1.training import progress
     from parallel_r1.training.grpo_trainer import (
         ParallelGRPOTrainer,
         ScaffoldSwitch,
@@ -434,6 +435,7 @@ def train_rl(options: RLOptions, init_dir: str | os.PathLike, rows: Sequence[Map
         callbacks=[no_checkpoint_at_the_end(), *([snapshotter] if snapshotter else []),
                    *([switch] if switch else []), *callbacks])
     check_sharding_active(trainer, f"rl@{options.run}")
+    progress.install(trainer, progress.StepLines(f"rl@{options.run}", "rl", updates, options.batch_size))
     if snapshotter:
         snapshotter.trainer = trainer
     if switch:

@@ -315,6 +315,9 @@ def train_sft(options: SFTOptions, base_dir: str | os.PathLike, rows: Sequence[M
                            processes=state.num_processes,
                            callbacks=callbacks)
     check_sharding_active(trainer, f"sft@{options.variant}")
+    from parallel_r1.training import progress  # transformers' callback classes: loaded with the trainer
+
+    progress.install(trainer, progress.StepLines(f"sft@{options.variant}", "sft"))
     trainer.train(resume_from_checkpoint=resumed_from)
 
     staging = checkpoint_dir / "final"
