@@ -16,10 +16,12 @@ export HF_HUB_DISABLE_TELEMETRY := 1
 export PREFECT_HOME := $(CURDIR)/.prefect
 export MLFLOW_TRACKING_URI ?= sqlite:///$(CURDIR)/mlflow.db
 # jemalloc, where the system has it (Debian/Ubuntu: `apt-get install libjemalloc2`; .ci/run installs it), as
-# the allocator of the pipeline, the tests, the benchmarks and the UI servers (not pip), keeping freed memory
+# the allocator of the tests, the benchmarks and the UI servers (not pip, not the pipeline), keeping freed memory
 # instead of returning it to the kernel. With glibc's malloc each large tensor (a 152k-vocabulary logits
 # block is ~0.9 GB) is fresh mmap'd memory that the kernel zeroes page by page on every step (the
 # measurement: docs/benchmarks.md, "Allocator"). `make test JEMALLOC=` runs on glibc's malloc.
+# Not for `make run` or `make worker`: with decay off, a long training process never hands back the varied
+# extents it frees, and the small profile's SFT-Unseen was OOM-killed at 23.8 GB (glibc: 4-6 GB; same doc).
 JEMALLOC ?= $(firstword $(wildcard /usr/lib/x86_64-linux-gnu/libjemalloc.so.2 /usr/lib/aarch64-linux-gnu/libjemalloc.so.2 \
                                    /usr/lib64/libjemalloc.so.2 /usr/lib/libjemalloc.so.2))
 MALLOC_CONF ?= oversize_threshold:0,dirty_decay_ms:-1,muzzy_decay_ms:-1
@@ -64,7 +66,7 @@ $(VENV)/.installed: pyproject.toml requirements/cpu.lock requirements/models.txt
 PROFILE ?=
 run: setup
 	$(if $(PROFILE),$(BIN)/python -m stages.profiles $(PROFILE))
-	$(WITH_ALLOCATOR) $(BIN)/python -m $(if $(POOL),flows.reproduce --pool $(POOL),flows.make_run)
+	$(BIN)/python -m $(if $(POOL),flows.reproduce --pool $(POOL),flows.make_run)
 
 test: setup
 	$(WITH_ALLOCATOR) $(BIN)/python -m pytest $(XDIST) --durations=20 $(PYTEST_ARGS)
@@ -98,7 +100,7 @@ WORKER_LIMIT ?= 1
 DVC_REMOTE ?=
 worker: setup
 	$(if $(DVC_REMOTE),$(BIN)/dvc remote modify --local storage url $(DVC_REMOTE))
-	$(WITH_ALLOCATOR) $(BIN)/python -m flows.workpool worker --pool $(or $(POOL),parallel-r1) --limit $(WORKER_LIMIT)
+	$(BIN)/python -m flows.workpool worker --pool $(or $(POOL),parallel-r1) --limit $(WORKER_LIMIT)
 
 clean:
 	rm -rf .pytest_cache .hypothesis
