@@ -61,6 +61,13 @@ def _stage_rows(stage_runs: Sequence[Mapping[str, Any]] | None) -> list[str]:
     return rows
 
 
+def _section(title: str, headers: list[str], rows: list[str]) -> list[str]:
+    """A `### title` markdown table of `rows` (already formatted); nothing when there are no rows."""
+    if not rows:
+        return []
+    return [f"### {title}", "", f"| {' | '.join(headers)} |", "|" + "---|" * len(headers), *rows, ""]
+
+
 def _sft_rows(root: Path) -> list[str]:
     rows = []
     for path in sorted(root.glob("metrics/sft/*/summary.json")):
@@ -69,10 +76,8 @@ def _sft_rows(root: Path) -> list[str]:
         rows.append(f"| {summary.get('variant', path.parent.name)} | {summary.get('steps')} | "
                     f"{summary.get('first_loss')} → {summary.get('final_loss')} | "
                     f"{probe.get('parallel_block_rate')} | {probe.get('accuracy')} |")
-    if not rows:
-        return []
-    return ["### SFT", "", "| Variant | Updates | Loss first → last | "
-            "Probe: share with a well-formed block | Probe accuracy |", "|---|---|---|---|---|", *rows, ""]
+    return _section("SFT", ["Variant", "Updates", "Loss first → last",
+                            "Probe: share with a well-formed block", "Probe accuracy"], rows)
 
 
 def _rl_rows(root: Path) -> list[str]:
@@ -91,10 +96,8 @@ def _rl_rows(root: Path) -> list[str]:
         rows.append(f"| `{path.parent.name}`{reused} | {summary.get('reward')} | "
                     f"{summary.get('steps_with_reward_spread')} / {summary.get('steps')} | "
                     f"{moved('reward')} | {moved('parallel_ratio')} | {moved('path_diversity')} |")
-    if not rows:
-        return []
-    return ["### RL", "", "| Run | Reward | Steps with a reward spread | Reward first → last | "
-            "Parallel ratio | Path diversity |", "|---|---|---|---|---|---|", *rows, ""]
+    return _section("RL", ["Run", "Reward", "Steps with a reward spread", "Reward first → last",
+                           "Parallel ratio", "Path diversity"], rows)
 
 
 def _first_table(markdown: str) -> list[str]:
