@@ -291,3 +291,24 @@ def test_sft_loss_is_each_sequences_token_mean_averaged_over_the_update(tokenize
     assert loss.item() == pytest.approx(per_sequence.mean().item() / 2, rel=1e-4)
     token_mean = (-(logp * mask)).sum() / mask.sum()
     assert mask.sum(1)[0] != mask.sum(1)[1] and abs(per_sequence.mean() - token_mean) > 1e-4
+
+
+def test_sequence_mean_loss_is_divided_once_on_transformers_before_5_19(tokenizer, demos, tmp_path, monkeypatch):
+    """Before transformers 5.19 TRL 1.16 marks a self-scaled loss with a *string* compute_loss_func, which
+    SFTTrainer.compute_loss then calls. The trainer undoes that and lets the Trainer divide instead: the
+    back-propagated loss of one micro-batch is the same on both versions (the GPU image has 5.17)."""
+    import transformers
+
+    trainer, rows = prepared_rows("seen", tokenizer, demos, tmp_path / "now")
+    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    before, _ = prepared_rows("seen", tokenizer, demos, tmp_path / "old")
+    assert before.compute_loss_func is None and trainer.compute_loss_func is None
+    batch = trainer.data_collator(rows)
+    losses = []
+    for each in (trainer, before):
+        each.current_gradient_accumulation_steps = 2
+        losses.append(each.training_step(trainer.model, dict(batch)).item())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    trainer.model.eval()
+    whole = trainer.compute_loss(trainer.model, dict(batch)).item()
+    assert losses[0] == pytest.approx(whole / 2, rel=1e-5)

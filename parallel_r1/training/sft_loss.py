@@ -33,6 +33,17 @@ class SequenceMeanSFTTrainer(SFTTrainer):
 
     loss_is_scaled_for_ga = True  # transformers' Trainer: do not divide by the accumulation steps again
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # transformers < 5.19 has no `loss_is_scaled_for_ga`; TRL 1.16 then stores a *string* in
+        # `compute_loss_func` to stop the Trainer's division, and SFTTrainer.compute_loss calls it
+        # ("'str' object is not callable", seen on a GPU image with transformers 5.17). There the
+        # Trainer divides by the accumulation steps itself, so this loss must not.
+        self._divides_by_accumulation = not isinstance(self.compute_loss_func, str)
+        if not self._divides_by_accumulation:
+            self.compute_loss_func = None
+            self.loss_is_scaled_for_ga = None
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         captured: list = []
         handle = model.register_forward_hook(lambda module, args, output: captured.append(output))
@@ -46,6 +57,6 @@ class SequenceMeanSFTTrainer(SFTTrainer):
                                 "log_probs / label_mask (label smoothing, compute_loss_func and sequence "
                                 "parallelism are not supported with it)")
         loss = sequence_mean_loss(outputs.log_probs, outputs.label_mask.to(outputs.log_probs.dtype))
-        if model.training:
+        if model.training and self._divides_by_accumulation:
             loss = loss / self.current_gradient_accumulation_steps
         return (loss, result[1]) if return_outputs else loss
