@@ -169,6 +169,9 @@ PARALLEL_DIVERSITY = "parallel_diversity"
 REWARD_TYPES = (ACCURACY, PARALLEL_TIMES_ACCURACY, TIERED, PARALLEL_ONLY, PARALLEL_DIVERSITY)
 
 
+BONUS_NEEDS = ("tag", "well_formed")  # what earns parallel_diversity's bonus: official "tag"
+
+
 @dataclass(frozen=True)
 class RewardConfig:
     """Knobs of every reward and schedule (the stage reads SHARED_KNOBS and the schedule's SCHEDULE_KNOBS).
@@ -197,8 +200,12 @@ class RewardConfig:
     `accuracy_add_parallel_add_diversity_reward`):
         correct_reward / incorrect_reward + parallel_bonus (1.0) if the response holds `<Parallel>`
         - self_bleu_weight (0.3) x `format.self_bleu` (mean pairwise sentence BLEU of each block's
-        paths; 1.0 without a block). As officially, the bonus needs only a `<Parallel>` tag, not a
-        well-formed block: an unclosed block gets it and the full self-BLEU penalty.
+        paths; 1.0 without a block).
+        parallel_bonus_needs: "tag" (official: any `<Parallel>` earns the bonus, so an unclosed block
+            gets it with the full self-BLEU penalty) or "well_formed" (a block passing
+            `parallel_check`). On a 135M model at a large learning rate the official rule teaches
+            blocks that are opened and never closed (docs/rl_small_profile.md), so the small profile
+            sets "well_formed" (listed in docs/deviations.md).
     """
 
     checker: str = "paper"
@@ -212,11 +219,15 @@ class RewardConfig:
     switch_step: int = field(default=200, metadata={"min": 0})
     parallel_bonus: float = 1.0
     self_bleu_weight: float = 0.3
+    parallel_bonus_needs: Literal["tag", "well_formed"] = "tag"
 
     def __post_init__(self) -> None:
         check_fields(self)
         if self.checker not in CHECKERS:
             raise PipelineError(f"checker: {self.checker!r} is unknown; expected one of {CHECKERS}")
+        if self.parallel_bonus_needs not in BONUS_NEEDS:
+            raise PipelineError(f"parallel_bonus_needs: {self.parallel_bonus_needs!r} is unknown; "
+                                f"expected one of {BONUS_NEEDS}")
         if self.tiered_steps > self.window:
             raise PipelineError(f"tiered_steps: must be in [0, window={self.window}], "
                                 f"got {self.tiered_steps}")
@@ -254,7 +265,7 @@ SCHEDULE_KNOBS: dict[str, tuple[str, ...]] = {
     PARALLEL_TIMES_ACCURACY: (),
     TIERED: _TIERED_KNOBS,
     PARALLEL_ONLY: (),
-    PARALLEL_DIVERSITY: ("parallel_bonus", "self_bleu_weight"),
+    PARALLEL_DIVERSITY: ("parallel_bonus", "self_bleu_weight", "parallel_bonus_needs"),
     "alternating": (*_TIERED_KNOBS, "window", "tiered_steps"),
     "scaffold": (*_TIERED_KNOBS, "window", "tiered_steps", "switch_step"),
 }
@@ -277,7 +288,8 @@ def score(reward_type: str, correct: bool, parallel: bool, attempted: bool, conf
     `paths_self_bleu` = `format.self_bleu` of the response (read by parallel_diversity only)."""
     win, lose = config.correct_reward, config.incorrect_reward
     if reward_type == PARALLEL_DIVERSITY:
-        bonus = config.parallel_bonus if attempted else 0.0
+        earned = parallel if config.parallel_bonus_needs == "well_formed" else attempted
+        bonus = config.parallel_bonus if earned else 0.0
         return (win if correct else lose) + bonus - config.self_bleu_weight * paths_self_bleu
     if reward_type == ACCURACY:
         return win if correct else lose

@@ -70,6 +70,18 @@ def test_reward_of_hand_written_responses(text, if_correct, if_wrong):
     assert call(reward, [response("42", text), response("41", text)]) == pytest.approx([if_correct, if_wrong])
 
 
+@pytest.mark.parametrize(("text", "if_wrong"), [
+    (IDENTICAL, -1 + 1 - 0.3),   # a well-formed block still earns the bonus
+    (UNCLOSED, -1 + 0 - 0.3),    # an opened, never closed block earns nothing, as no block at all
+    ("", -1 - 0.3),
+])
+def test_the_bonus_can_require_a_well_formed_block(text, if_wrong):
+    config = RewardConfig(parallel_bonus_needs="well_formed")
+    assert call(build_reward(PARALLEL_DIVERSITY, config), [response("41", text)]) == pytest.approx([if_wrong])
+    with pytest.raises(PipelineError, match="parallel_bonus_needs"):
+        RewardConfig(parallel_bonus_needs="closed")  # type: ignore[arg-type]
+
+
 def test_more_diverse_paths_earn_more_and_every_value_lies_in_the_formula_range():
     reward = build_reward(PARALLEL_DIVERSITY)
     near = block("six times seven is forty two", "six times seven is 42")
@@ -83,7 +95,7 @@ def test_constants_are_params():
     reward = build_reward(PARALLEL_DIVERSITY, config)
     assert call(reward, [response("42", IDENTICAL), response("41", DISJOINT), response("41")]) == \
         pytest.approx([2.0 + 0.5 - 1.0, 0.0 + 0.5 - 0.0, 0.0 - 1.0])
-    assert set(SCHEDULE_KNOBS[PARALLEL_DIVERSITY]) == {"parallel_bonus", "self_bleu_weight"}
+    assert set(SCHEDULE_KNOBS[PARALLEL_DIVERSITY]) == {"parallel_bonus", "self_bleu_weight", "parallel_bonus_needs"}
     with pytest.raises(PipelineError, match="self_bleu_weight"):
         RewardConfig(self_bleu_weight="0.3")  # type: ignore[arg-type]
 
