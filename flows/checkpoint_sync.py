@@ -1,4 +1,4 @@
-"""A running experiment's training checkpoints, kept on the DVC remote so that a retry on another worker resumes.
+"""A running experiment's training checkpoints, kept on the DVC remote so that a retry elsewhere resumes.
 
 A worker that dies takes its private clone with it, and with it `checkpoints/` (SFT's `sft_<variant>`,
 GRPO's `rl/<run>`: git- and DVC-ignored working folders, each holding `run.json`, the fingerprint of its
@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 from parallel_r1.training.checkpoints import RUN_RECORD, is_complete_checkpoint, last_complete_checkpoint
 
-CHECKPOINTS = "checkpoints"            # the stages' checkpoint root, relative to a clone, and the remote prefix
+CHECKPOINTS = "checkpoints"   # the stages' checkpoint root (relative to a clone) and the remote prefix
 MARKER = re.compile(r"^(checkpoint-\d+)\.json$")
 PUSH_EVERY_S = 10.0
 
@@ -97,7 +97,8 @@ class CheckpointStore:
             for relpath, size in marker["files"].items():
                 target = partial / relpath
                 target.parent.mkdir(parents=True, exist_ok=True)
-                self.fs.get_file(self.fs.join(self.prefix, folder, name, *relpath.split("/")), os.fspath(target))
+                source = self.fs.join(self.prefix, folder, name, *relpath.split("/"))
+                self.fs.get_file(source, os.fspath(target))
                 if target.stat().st_size != size:
                     raise OSError(f"{self.url()}/{folder}/{name}/{relpath}: {target.stat().st_size} bytes "
                                   f"copied, the marker says {size}")

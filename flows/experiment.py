@@ -51,10 +51,10 @@ def private_folder(worker_clone: Path, name: str, run_id: str) -> Path:
     return worker_clone / ".dvc" / "tmp" / "pool" / f"{name}-{run_id[:8]}"
 
 
-def stale_folders(worker_clone: Path, current: Path) -> list[Path]:
-    """The private folders under the clone's .dvc/tmp/pool/ whose flow run has ended (any final state, a
-    Crashed one included), as the Prefect API has them; never `current`, nor one whose run is unknown
-    (another server's, a name the API does not find) or still pending or running."""
+def stale_folders(current: Path) -> list[Path]:
+    """The private folders beside `current` (the clone's .dvc/tmp/pool/) whose flow run has ended (any
+    final state, a Crashed one included), as the Prefect API has them; never `current`, nor one whose run
+    is unknown (another server's, a name the API does not find) or still pending or running."""
     from prefect import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 
@@ -85,9 +85,7 @@ def experiment(name: str, target: str, overrides: list[str], baseline_ref: str, 
     worker = os.environ.get(WORKER_ENV) or socket.gethostname()
     work = private_folder(worker_clone, name, flow_run.get_id() or "local")
     logger.info("%s on worker %s: clone of %s in %s", name, worker, baseline_ref, work)
-    for stale in stale_folders(worker_clone, work):
-        logger.info("removing %s: its flow run has ended (its worker was killed?)", stale)
-        shutil.rmtree(stale, ignore_errors=True)
+    _remove_stale_folders(work, logger)
     try:
         remote.private_clone(worker_clone, git_remote, baseline_ref, work)
         checkpoints = CheckpointStore.for_experiment(work, sweep_id, name)
@@ -107,13 +105,25 @@ def experiment(name: str, target: str, overrides: list[str], baseline_ref: str, 
             checkpoints.remove()  # the experiment is on the remotes: no retry will need them
             metrics = workspace_metrics(work)
             tracking.log_metrics(metrics, run_id=run_id)
-        row = {"experiment": name, "worker": worker, "mlflow_run_id": run_id or "", "resumed_from": resumed_from,
+        row = {"experiment": name, "worker": worker, "mlflow_run_id": run_id or "",
+               "resumed_from": resumed_from,
                "outs": json.dumps(remote.stage_outs(work, plan_stages([target], work)), sort_keys=True),
                **metrics}
         create_table_artifact([row], key=RESULT_KEY, description=f"{name}: its worker, outputs and metrics")
         return row
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _remove_stale_folders(work: Path, logger) -> None:
+    try:
+        stale = stale_folders(work)
+    except Exception as err:  # noqa: BLE001 -- housekeeping: the experiment runs without it
+        logger.warning("private folders beside %s not checked: %s", work, err)
+        return
+    for folder in stale:
+        logger.info("removing %s: its flow run has ended (its worker was killed?)", folder)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _pull_checkpoints(checkpoints: CheckpointStore, work: Path, name: str, logger) -> str:
