@@ -102,7 +102,7 @@ def experiment(name: str, target: str, overrides: list[str], baseline_ref: str, 
             with PushingInBackground(checkpoints, work, logger.info):
                 _dvc([*args, target], work, tracking.child_env(run_id), logger.info, name)
             _dvc(["exp", "push", "--run-cache", git_remote, name], work, None, logger.info, name)
-            checkpoints.remove()  # the experiment is on the remotes: no retry will need them
+            _remove_checkpoints(checkpoints, logger)
             metrics = workspace_metrics(work)
             tracking.log_metrics(metrics, run_id=run_id)
         row = {"experiment": name, "worker": worker, "mlflow_run_id": run_id or "",
@@ -139,6 +139,15 @@ def _pull_checkpoints(checkpoints: CheckpointStore, work: Path, name: str, logge
     for checkpoint in restored:
         logger.info("resuming %s from %s pulled from the remote", name, checkpoint)
     return " ".join(restored)
+
+
+def _remove_checkpoints(checkpoints: CheckpointStore, logger) -> None:
+    """The experiment is on the remotes: no retry will need its checkpoints. Left behind, they only take
+    space, so a failure to delete them is a warning."""
+    try:
+        checkpoints.remove()
+    except OSError as err:
+        logger.warning("checkpoints on %s not deleted (%s); delete them by hand", checkpoints.url(), err)
 
 
 def _dvc(args: list[str], cwd: Path, env, echo, name: str) -> list[str]:
