@@ -5,8 +5,13 @@ SFT and GRPO checkpoints (`training/checkpoints.py`, run.json) and the evaluatio
 model's files, the settings that decide the result, and the data. Two other identities exist on
 purpose and are not this one: DVC's hashes (whether a stage must run at all) and the memo keys
 (`sample_memo`, `training/run_memo.py`), which compare weights by value so that different runs with
-equal weights share results; an identity here is about one run continuing itself, so the model's file
-signature (cheap: names, sizes, mtimes) is enough.
+equal weights share results; an identity here is about one run continuing itself.
+
+The model is named by its files' content (names, sizes, sha256), not by where it lies or when it was
+written: a run killed on one worker is resumed by a retry in another private clone, on another machine
+(flows/checkpoint_sync.py brings its checkpoints there), where the same model was pulled from the DVC
+remote at another path with other mtimes. Hashing reads the starting model once per run (sha256 runs
+at about 1 GB/s on one core here: seconds for a 4B model, against minutes to hours of training).
 """
 
 from __future__ import annotations
@@ -18,9 +23,14 @@ from typing import Any, Mapping
 
 
 def file_signature(folder: Path) -> list:
-    """The model folder's identity: its path and each file's name, size and mtime."""
-    files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir() if p.is_file())
-    return [str(folder.resolve()), files]
+    """The model folder's identity by content: each file's name, size and sha256 (sub-folders, such as a
+    scaffold run's step snapshots, are not the model and are not read)."""
+    files = []
+    for path in sorted(p for p in folder.iterdir() if p.is_file()):
+        with open(path, "rb") as handle:
+            digest = hashlib.file_digest(handle, "sha256").hexdigest()
+        files.append([path.name, path.stat().st_size, digest])
+    return files
 
 
 def work_identity(model_dir: Path, settings: Mapping[str, Any], data_sha256: str | None = None) -> dict:

@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> None:
             "dataset_tokens": result.dataset_tokens,
             "completion_tokens": result.completion_tokens,
             "trained_tokens_this_run": result.trained_tokens,
+            "steps_this_run": result.steps_this_run,
             "resumed_from": result.resumed_from,
             "train_wall_seconds": round(train_seconds, 1),
             "wall_seconds": round(time.perf_counter() - started, 1),

@@ -13,6 +13,7 @@ checkpoint that costs seconds).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -74,6 +75,25 @@ def listed_experiments(root: Path) -> set[str]:
 
 def md5(path: Path) -> str:
     return hashlib.md5(path.read_bytes()).hexdigest()
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process under it, those in sessions of their own included (DVC runs in one)."""
+    found, waiting = [], [pid]
+    while waiting:
+        current = waiting.pop()
+        found.append(current)
+        for task in Path(f"/proc/{current}/task").glob("*"):
+            with contextlib.suppress(OSError):  # ended meanwhile
+                waiting += [int(child) for child in (task / "children").read_text().split()]
+    return found
+
+
+def kill_machine(pid: int) -> None:
+    """SIGKILL a worker as if its machine died: it, its flow run, and the DVC and stage processes under it."""
+    for process in process_tree(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process, signal.SIGKILL)
 
 
 def wait_for_workers(api_url: str, workers: list, base: Path) -> None:
@@ -266,37 +286,54 @@ def test_fan_out_reproduce_of_two_evaluations_writes_the_dvc_lock_of_a_serial_ru
     assert status == {}  # the outputs are in the workspace, as dvc.lock says
 
 
-def test_a_worker_killed_mid_experiment_crashes_its_run_which_is_retried_and_the_other_is_untouched(lab):
-    """Runs last in this module: it kills a worker. The sweep's experiments run one per worker; the one on
-    the killed worker is marked Crashed by the server (its heartbeats stop) and runs again on the other."""
+def test_a_worker_killed_mid_experiment_crashes_its_run_which_is_retried_from_its_pushed_checkpoint(lab):
+    """Runs last in this module: it kills a worker. The sweep's two experiments train SFT-Seen (tiny profile,
+    a checkpoint every step), one per worker; once one has pushed a checkpoint to the DVC remote its worker
+    is killed, the server marks the run Crashed (its heartbeats stop), and the run goes again on the other
+    worker, which pulls the checkpoint and trains only the steps after it. The killed run's private clone is
+    then a stale folder that the next run on that clone would remove."""
     from mlflow import MlflowClient
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.workpool import timeline
+    from flows.experiment import stale_folders
+    from flows.workpool import results, timeline
 
     base, env = lab["base"], lab["env"]
     launcher = base / "crash-launcher"  # a clean clone: the other tests leave their workspaces changed
     git("clone", "-q", str(base / "origin.git"), str(launcher), cwd=base)
     launcher_env = dict(env, PYTHONPATH=str(launcher), PREFECT_HOME=str(launcher / ".prefect"))
-    sweep = subprocess.Popen([sys.executable, "-m", "flows.sweep", "--target", "prepare_model", "--grid",
-                              "model.tiny.seed=5,6", "--pool", POOL], cwd=launcher, env=launcher_env,
+    steps = 4
+    sweep = subprocess.Popen([sys.executable, "-m", "flows.sweep", "--target", "sft@seen", "--grid",
+                              "sft.lr=3e-3,1e-3", "sft.save_steps=1", f"sft_variants.seen.max_steps={steps}",
+                              "generate.engine=transformers", "--pool", POOL], cwd=launcher, env=launcher_env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     workers = {service.name: service for service in lab["services"] if service.name.startswith("worker-")}
+    pushed = base / "parallel-r1-dvc-remote" / "checkpoints"  # <sweep id>/<experiment>/sft_seen/checkpoint-N
     deadline = time.monotonic() + SWEEP_TIMEOUT_S
-    victim = None
-    while victim is None:  # a worker whose experiment has reached `dvc exp run` (its private clone exists)
+    marker = None
+    while marker is None:  # the first checkpoint an experiment has pushed (its marker is written last)
         assert sweep.poll() is None and time.monotonic() < deadline, sweep.stdout.read()[-3000:]
         time.sleep(1)
-        victim = next((name for name in workers
-                       if any((base / name / ".dvc" / "tmp" / "pool").glob("sweep-*/dvc.yaml"))), None)
-    running = next((base / victim / ".dvc" / "tmp" / "pool").glob("sweep-*")).name.rsplit("-", 1)[0]
-    time.sleep(5)
-    os.killpg(workers[victim].process.pid, signal.SIGKILL)  # the worker and the flow run it started
+        marker = next(pushed.glob("sweep-*/*/sft_seen/checkpoint-*.json"), None)
+    running = marker.parent.parent.name
+    victim, folder = next((name, folder) for name in workers
+                          for folder in (base / name / ".dvc" / "tmp" / "pool").glob("sweep-*")
+                          if folder.name.rsplit("-", 1)[0] == running)
+    kill_machine(workers[victim].process.pid)
     output, _ = sweep.communicate(timeout=SWEEP_TIMEOUT_S)
     assert sweep.returncode == 0, output[-3000:]
     sweep_id = running.rsplit("-", 1)[0]
     with temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"]}):
         runs = timeline(f"sweep:{sweep_id}")
+        with get_client(sync_client=True) as client:
+            flow_runs = client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[f"sweep:{sweep_id}"])))
+        rows = results([run.id for run in flow_runs])
+        unknown = folder.parent / "sweep-0000-000000-1-0123abcd"  # a run this server never had: kept
+        unknown.mkdir()
+        assert stale_folders(folder.parent / "current-01234567") == [folder]
     for run in runs:
         print(f"{run['name']:<24} {run['worker']:<20} {run['state']:<10} {run['start']} -> {run['end']}")
     states = sorted((run["name"], run["state"]) for run in runs)
@@ -304,6 +341,17 @@ def test_a_worker_killed_mid_experiment_crashes_its_run_which_is_retried_and_the
     assert states == sorted([(running, "CRASHED"), (running, "COMPLETED"), (other, "COMPLETED")])
     (retried,) = [run for run in runs if run["name"] == running and run["state"] == "COMPLETED"]
     assert not retried["worker"].endswith(victim)  # the survivor ran it
+    by_name = {row["experiment"]: row for row in rows.values()}
+    resumed, fresh = by_name[running], by_name[other]
+    resumed_step = int(resumed["resumed_from"].rsplit("-", 1)[1])
+    assert resumed["resumed_from"].startswith("sft_seen/checkpoint-")
+    assert int(marker.stem.rsplit("-", 1)[1]) <= resumed_step < steps  # the one seen, or a later one
+    assert resumed["steps"] == fresh["steps"] == steps
+    assert resumed["steps_this_run"] == steps - resumed_step and fresh["steps_this_run"] == steps
+    assert fresh["resumed_from"] == ""
+    print(f"\nresumed from {resumed['resumed_from']}: {resumed['steps_this_run']} of {steps} steps, "
+          f"{resumed['train_wall_seconds']} s training; from scratch {fresh['train_wall_seconds']} s")
+    assert not any(pushed.glob(f"{sweep_id}/*/*/checkpoint-*"))  # removed once each experiment was pushed
     client = MlflowClient(env["MLFLOW_TRACKING_URI"])
     experiment_id = client.get_experiment_by_name("parallel-r1").experiment_id
     found = client.search_runs([experiment_id], filter_string=f"tags.sweep_id = '{sweep_id}'")

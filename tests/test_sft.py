@@ -185,7 +185,7 @@ def test_killed_unseen_run_resumes_and_saves_a_loadable_model(demos, tmp_path):
     assert not out.exists() and (checkpoints / "checkpoint-2").is_dir()
 
     result = train_sft(opts, base, demos, out, checkpoints)
-    assert result.resumed_from == str(checkpoints / "checkpoint-2")
+    assert result.resumed_from == str(checkpoints / "checkpoint-2") and result.steps_this_run == 2
     assert [entry["step"] for entry in result.loss_history] == [1, 2, 3, 4]
     assert result.loss_history[-1]["loss"] < result.loss_history[0]["loss"]
     # the resumed run continues the same trajectory: its losses are the uninterrupted run's

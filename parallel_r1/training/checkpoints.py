@@ -138,6 +138,11 @@ def last_complete_checkpoint(checkpoint_dir: Path) -> tuple[Path | None, list[Pa
     return (complete[-1] if complete else None), [p for p in found if p not in complete]
 
 
+def checkpoint_step(checkpoint: str | None) -> int:
+    """The step a resumed run starts after: N of `.../checkpoint-N`, 0 for a fresh start (None)."""
+    return int(Path(checkpoint).name.rsplit("-", 1)[1]) if checkpoint else 0
+
+
 def _read_record(record: Path) -> Any:
     """run.json's fingerprint; None when missing or unreadable (then the run starts afresh)."""
     try:

@@ -48,6 +48,7 @@ from parallel_r1.prompts import PromptStyle, chat_messages, render_prompt
 from parallel_r1.rewards import REWARDS, RewardConfig, build_reward
 from parallel_r1.training.checkpoints import (
     check_scheduler,
+    checkpoint_step,
     no_checkpoint_at_the_end,
     process_state,
     resume_point,
@@ -423,7 +424,7 @@ def train_rl(options: RLOptions, init_dir: str | os.PathLike, rows: Sequence[Map
     snapshot_dir = checkpoint_dir / SNAPSHOTS if options.snapshots else None
     updates = options.updates_per_step
     snapshotter = SnapshotCallback(snapshot_dir, options.snapshot_every, updates) if snapshot_dir else None
-    first_step = _checkpoint_step(resumed_from) // updates  # checkpoints fall between rollout batches
+    first_step = checkpoint_step(resumed_from) // updates  # checkpoints fall between rollout batches
     # the scaffold's switch: fresh optimizer and clip `epsilon` after switch_step (ScaffoldSwitch)
     switch = ScaffoldSwitch(reward_config.switch_step, options.epsilon, updates) \
         if options.reward == "scaffold" else None
@@ -504,7 +505,3 @@ def rollout_function_for(options: RLOptions, engine: Literal["transformers", "vl
                            seed=options.seed)
     factory = engine_for_trainer(engine, tokenizer, config, **backend_options)
     return make_rollout_func(factory, tokenizer, options.prompt)
-
-
-def _checkpoint_step(checkpoint: str | None) -> int:
-    return int(Path(checkpoint).name.rsplit("-", 1)[1]) if checkpoint else 0

@@ -48,6 +48,7 @@ from parallel_r1.prompts import render_prompt
 from parallel_r1.structure import Structure, TagIds, attention_inputs, build_structure
 from parallel_r1.training.checkpoints import (
     check_scheduler,
+    checkpoint_step,
     no_checkpoint_at_the_end,
     process_state,
     resume_point,
@@ -252,6 +253,7 @@ class SFTResult:
 
     model_dir: Path
     steps: int
+    steps_this_run: int  # the steps after the checkpoint it resumed from (all of them on a fresh start)
     examples: int
     dataset_tokens: int
     completion_tokens: int
@@ -338,7 +340,8 @@ def train_sft(options: SFTOptions, base_dir: str | os.PathLike, rows: Sequence[M
     token_logs = [e["num_tokens"] for e in trainer.state.log_history if "num_tokens" in e]
     labels = trainer.train_dataset["labels"]
     return SFTResult(
-        model_dir=out_dir, steps=trainer.state.global_step, examples=len(dataset),
+        model_dir=out_dir, steps=trainer.state.global_step,
+        steps_this_run=trainer.state.global_step - checkpoint_step(resumed_from), examples=len(dataset),
         dataset_tokens=sum(len(ids) for ids in trainer.train_dataset["input_ids"]),
         completion_tokens=sum(sum(1 for t in row if t != -100) for row in labels),
         trained_tokens=int(token_logs[-1]) if token_logs else None,
