@@ -120,13 +120,11 @@ class CheckpointStore:
     def _push_one(self, local: Path, folder: str, checkpoint: Path) -> bool:
         try:
             run = json.loads((local / RUN_RECORD).read_text(encoding="utf-8"))
-            files = {path.relative_to(checkpoint).as_posix(): path.stat().st_size
-                     for path in sorted(checkpoint.rglob("*")) if path.is_file()}
+            files = _file_sizes(checkpoint)
             for relpath in files:
                 self.fs.put_file(os.fspath(checkpoint / relpath),
                                  self.fs.join(self.prefix, folder, checkpoint.name, *relpath.split("/")))
-            unchanged = {path.relative_to(checkpoint).as_posix(): path.stat().st_size
-                         for path in sorted(checkpoint.rglob("*")) if path.is_file()} == files
+            unchanged = _file_sizes(checkpoint) == files
         except (OSError, ValueError):  # removed (rotation, a fresh start) or rewritten while copied
             return False
         if not unchanged or not is_complete_checkpoint(checkpoint):
@@ -150,6 +148,13 @@ class CheckpointStore:
         for entry in entries:
             if entry.startswith("checkpoint-") and not entry.endswith(".json") and entry != keep:
                 self.fs.rm(self.fs.join(base, entry), recursive=True)
+
+
+def _file_sizes(checkpoint: Path) -> dict[str, int]:
+    """{relative path: size} of every file of `checkpoint`: the marker's manifest, and how a push sees
+    whether the Trainer rewrote the checkpoint while it was copied."""
+    return {path.relative_to(checkpoint).as_posix(): path.stat().st_size
+            for path in sorted(checkpoint.rglob("*")) if path.is_file()}
 
 
 def _checkpoint_folders(root: Path) -> list[Path]:

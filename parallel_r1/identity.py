@@ -10,8 +10,8 @@ equal weights share results; an identity here is about one run continuing itself
 The model is named by its files' content (names, sizes, sha256), not by where it lies or when it was
 written: a run killed on one worker is resumed by a retry in another private clone, on another machine
 (flows/checkpoint_sync.py brings its checkpoints there), where the same model was pulled from the DVC
-remote at another path with other mtimes. Hashing reads the starting model once per run (sha256 runs
-at about 1 GB/s on one core here: seconds for a 4B model, against minutes to hours of training).
+remote at another path with other mtimes. Hashing reads the starting model once per run: one
+sequential read, beside the training it guards.
 """
 
 from __future__ import annotations

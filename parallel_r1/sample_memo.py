@@ -9,8 +9,8 @@ before it starts an engine and stores each evaluation it generated in one go (no
 whose rows were drawn under other seeds), so an identical evaluation costs a file read instead of
 minutes of decoding, and its log names the model whose samples it shares.
 
-The key hashes tensor *values* as float32 (plus the config and tokenizer files), not file names,
-sizes or mtimes like the partial files' stamp: a re-saved checkpoint (the base model is stored in
+The key hashes tensor *values* as float32 (plus the config and tokenizer files), not file bytes
+like the partial files' stamp: a re-saved checkpoint (the base model is stored in
 bf16, an RL model saved from float32 masters) hits, and any changed weight misses. It also hashes
 the source of every module on the generation path (`GENERATION_CODE`, the evaluate stage's code
 deps in dvc.yaml), the torch / transformers / vLLM versions and the device, so a fixed engine or a
