@@ -48,7 +48,7 @@ RUN_KEYS = ("init", "dataset", "reward", "variant", "prompt", "parallel", "epsil
 DATASET_KEYS = ("batch_size", "num_generations", "max_steps", "mini_batch_size")
 # What a run's own entry may also override (its dataset's or `rl`'s value): a profile lets the runs that can
 # move on its model train longer and faster than the mechanics checks (conf/profile/small.yaml).
-RUN_OVERRIDES = ("max_steps", "lr", "weight_decay")
+RUN_OVERRIDES = ("max_steps", "lr", "weight_decay", "batch_size", "mini_batch_size")
 SHARED_KEYS = tuple(f.name for f in dataclasses.fields(RLOptions)
                     if f.name not in (*RUN_KEYS, *DATASET_KEYS, "run", "seed", "snapshot_every"))
 # How the model generates, saved with it: evaluate@<run> reads it from models/<run> (its declared dep)

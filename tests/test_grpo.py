@@ -167,7 +167,7 @@ def test_vllm_engine_turns_on_trl_vllm_so_trl_syncs_its_weights(tmp_path):
     ({"reward": "kindness"}, "rl_runs.test_run.reward: unknown schedule 'kindness'"),
     ({"variant": "hidden"}, "variant: expected one of 'seen', 'unseen'"),
     ({"lr": -1.0}, "params.yaml rl_runs.test_run.lr"),   # an override's error names the run's entry
-    ({"batch_size": 8}, "rl_runs.test_run: unknown key 'batch_size'"),   # only RUN_OVERRIDES may override
+    ({"num_generations": 8}, "rl_runs.test_run: unknown key 'num_generations'"),   # only RUN_OVERRIDES may
 ])
 def test_bad_run_entry_is_a_one_line_error(run, message):
     with pytest.raises(PipelineError, match=message) as error:
