@@ -8,7 +8,7 @@ where either model has none drops out of that metric's pairs). The interval is t
 over questions: resample the n paired differences with replacement, take the mean, `resamples` times.
 An interval that excludes 0 says the change is beyond the sampling noise of these n questions.
 
-Beyond the paper: the small profile's RL runs are ten steps on a 135M model, where a two-step reward
+Beyond the paper: the small profile's RL runs are ten updates on a 135M model, where a two-step reward
 curve is noise; this is the check that the parallel-only and diversity runs changed what the model writes.
 """
 
