@@ -66,8 +66,10 @@ NEEDS_A_CORRECT_ANSWER = ("accuracy", "parallel_times_accuracy", "tiered", "alte
 PROFILE_NOTES = {
     "small": "SmolLM2-135M-Instruct on a CPU, minutes of SFT and of RL. What it shows: the "
              "model learns the parallel format in SFT (parallel ratio, block position, path diversity), "
-             "the parallel-only and the diversity-aware parallel rewards train for ten updates to move "
-             "it (reports/heldout.md: init vs final on held-out GSM8K questions), and every cell is "
+             "the parallel-only and the diversity-aware parallel rewards train for ten updates, which "
+             "raise parallel-only's training reward but are too few to move held-out samples reliably "
+             "(reports/heldout.md: init vs final on held-out GSM8K questions; docs/rl_small_profile.md), "
+             "and every cell is "
              "computed by the real pipeline. What it cannot show: the paper's "
              "accuracies -- a 135M model scores ~0 on AIME/AMC/MATH, and on GSM8K its answers (trained "
              "on the released demos that fit 288 tokens, so most end inside the token cap) are rarely "
