@@ -734,5 +734,7 @@ def test_a_runs_memo_key_follows_the_machines_decode_dtype_and_cpu_kernels(init_
         monkeypatch.setattr(module, "runs_in_bf16", lambda dtype: not native)
     assert run_key(opts, PROBLEMS, init_dir, rewards, "bfloat16") != key
     monkeypatch.undo()
-    monkeypatch.setattr(parallel_r1.weights_digest, "device_kernels", lambda: "cpu:AVX2:no-bf16")
+    here = parallel_r1.weights_digest.device_kernels()
+    other = "cpu:AVX512:bf16" if here == "cpu:AVX2:no-bf16" else "cpu:AVX2:no-bf16"  # not this machine's
+    monkeypatch.setattr(parallel_r1.weights_digest, "device_kernels", lambda: other)
     assert run_key(opts, PROBLEMS, init_dir, rewards, "bfloat16") != key
