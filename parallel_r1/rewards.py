@@ -34,7 +34,7 @@ from typing import Any, Callable, Literal, Mapping
 
 from parallel_r1.config import check_fields
 from parallel_r1.errors import PipelineError
-from parallel_r1.format import PARALLEL_OPEN, TAG_PATTERN, is_parallel, self_bleu
+from parallel_r1.format import NO_BLOCK_SELF_BLEU, PARALLEL_OPEN, TAG_PATTERN, is_parallel, self_bleu
 
 ANSWER_KINDS = ("gsm8k", "math")
 CHECKERS = ("paper", "math_verify")
@@ -170,6 +170,7 @@ REWARD_TYPES = (ACCURACY, PARALLEL_TIMES_ACCURACY, TIERED, PARALLEL_ONLY, PARALL
 
 
 BONUS_NEEDS = ("tag", "well_formed")  # what earns parallel_diversity's bonus: official "tag"
+SELF_BLEU_READS = ("any_block", "well_formed")  # whose blocks its self-BLEU reads: official "any_block"
 
 
 @dataclass(frozen=True)
@@ -206,6 +207,11 @@ class RewardConfig:
             `parallel_check`). On a 135M model at a large learning rate the official rule teaches
             blocks that are opened and never closed (docs/rl_small_profile.md), so the small profile
             sets "well_formed" (listed in docs/deviations.md).
+        self_bleu_reads: "any_block" (official: every closed `<Parallel>…</Parallel>` span, well-formed
+            or not) or "well_formed" (a response failing `parallel_check` is read as having no block,
+            self-BLEU 1.0). With a "well_formed" bonus, "any_block" still pays for diverse paths in broken
+            blocks (up to 0.3 over no block); on the small profile that route once took every held-out
+            block out of format (docs/rl_small_profile.md, run E). Every profile keeps the official value.
     """
 
     checker: str = "paper"
@@ -220,6 +226,7 @@ class RewardConfig:
     parallel_bonus: float = 1.0
     self_bleu_weight: float = 0.3
     parallel_bonus_needs: Literal["tag", "well_formed"] = "tag"
+    self_bleu_reads: Literal["any_block", "well_formed"] = "any_block"
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -228,6 +235,9 @@ class RewardConfig:
         if self.parallel_bonus_needs not in BONUS_NEEDS:
             raise PipelineError(f"parallel_bonus_needs: {self.parallel_bonus_needs!r} is unknown; "
                                 f"expected one of {BONUS_NEEDS}")
+        if self.self_bleu_reads not in SELF_BLEU_READS:
+            raise PipelineError(f"self_bleu_reads: {self.self_bleu_reads!r} is unknown; "
+                                f"expected one of {SELF_BLEU_READS}")
         if self.tiered_steps > self.window:
             raise PipelineError(f"tiered_steps: must be in [0, window={self.window}], "
                                 f"got {self.tiered_steps}")
@@ -265,7 +275,7 @@ SCHEDULE_KNOBS: dict[str, tuple[str, ...]] = {
     PARALLEL_TIMES_ACCURACY: (),
     TIERED: _TIERED_KNOBS,
     PARALLEL_ONLY: (),
-    PARALLEL_DIVERSITY: ("parallel_bonus", "self_bleu_weight", "parallel_bonus_needs"),
+    PARALLEL_DIVERSITY: ("parallel_bonus", "self_bleu_weight", "parallel_bonus_needs", "self_bleu_reads"),
     "alternating": (*_TIERED_KNOBS, "window", "tiered_steps"),
     "scaffold": (*_TIERED_KNOBS, "window", "tiered_steps", "switch_step"),
 }
@@ -375,7 +385,9 @@ class RewardFunction:
                    for t, g, k in zip(texts, truths, kinds, strict=True)]
         parallel = [is_parallel(t, self.config.parallel_check) for t in texts]
         diverse = reward_type == PARALLEL_DIVERSITY
-        bleus = [self_bleu(t) if diverse else 1.0 for t in texts]  # sacrebleu only where it is read
+        read = [diverse and (p or self.config.self_bleu_reads == "any_block") for p in parallel]
+        bleus = [self_bleu(t) if r else NO_BLOCK_SELF_BLEU  # sacrebleu only where it is read
+                 for t, r in zip(texts, read, strict=True)]
         rewards = [
             score(reward_type, c, p, PARALLEL_OPEN in t, self.config, b)
             for t, c, p, b in zip(texts, correct, parallel, bleus, strict=True)

@@ -82,6 +82,19 @@ def test_the_bonus_can_require_a_well_formed_block(text, if_wrong):
         RewardConfig(parallel_bonus_needs="closed")  # type: ignore[arg-type]
 
 
+def test_self_bleu_can_read_only_well_formed_blocks():
+    broken = DISJOINT + "</Path>"  # a stray closing tag after the block: closed spans, not well-formed
+    texts = [response("41", broken), response("41", DISJOINT), response("41")]
+    official_reading = RewardConfig(parallel_bonus_needs="well_formed")
+    assert call(build_reward(PARALLEL_DIVERSITY, official_reading), texts) == pytest.approx(
+        [-1 + 0 - 0.0, -1 + 1 - 0.0, -1 - 0.3])  # the broken block's diverse paths lower its penalty
+    strict = RewardConfig(parallel_bonus_needs="well_formed", self_bleu_reads="well_formed")
+    assert call(build_reward(PARALLEL_DIVERSITY, strict), texts) == pytest.approx(
+        [-1 - 0.3, -1 + 1 - 0.0, -1 - 0.3])  # ... here it counts as no block
+    with pytest.raises(PipelineError, match="self_bleu_reads"):
+        RewardConfig(self_bleu_reads="closed")  # type: ignore[arg-type]
+
+
 def test_more_diverse_paths_earn_more_and_every_value_lies_in_the_formula_range():
     reward = build_reward(PARALLEL_DIVERSITY)
     near = block("six times seven is forty two", "six times seven is 42")
@@ -95,7 +108,8 @@ def test_constants_are_params():
     reward = build_reward(PARALLEL_DIVERSITY, config)
     assert call(reward, [response("42", IDENTICAL), response("41", DISJOINT), response("41")]) == \
         pytest.approx([2.0 + 0.5 - 1.0, 0.0 + 0.5 - 0.0, 0.0 - 1.0])
-    assert set(SCHEDULE_KNOBS[PARALLEL_DIVERSITY]) == {"parallel_bonus", "self_bleu_weight", "parallel_bonus_needs"}
+    assert set(SCHEDULE_KNOBS[PARALLEL_DIVERSITY]) == {"parallel_bonus", "self_bleu_weight", "parallel_bonus_needs",
+                                                     "self_bleu_reads"}
     with pytest.raises(PipelineError, match="self_bleu_weight"):
         RewardConfig(self_bleu_weight="0.3")  # type: ignore[arg-type]
 
