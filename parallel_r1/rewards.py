@@ -211,7 +211,8 @@ class RewardConfig:
             or not) or "well_formed" (a response failing `parallel_check` is read as having no block,
             self-BLEU 1.0). With a "well_formed" bonus, "any_block" still pays for diverse paths in broken
             blocks (up to 0.3 over no block); on the small profile that route once took every held-out
-            block out of format (docs/rl_small_profile.md, run E). Every profile keeps the official value.
+            block out of format (docs/rl_small_profile.md, run E), so the small profile sets "well_formed"
+            (listed in docs/deviations.md).
     """
 
     checker: str = "paper"

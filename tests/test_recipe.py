@@ -77,6 +77,7 @@ def test_the_small_profiles_rule_changes_are_listed_with_their_values():
     small = compose(REPO, "small")
     pairs = param_cells(DEVIATIONS.read_text().split(SMALL_SECTION, 1)[1])
     assert ("reward_schedules.parallel_diversity.parallel_bonus_needs", "well_formed") in pairs
+    assert ("reward_schedules.parallel_diversity.self_bleu_reads", "well_formed") in pairs
     for key, value in pairs:
         assert value_at(small, key) == yaml.safe_load(value), f"docs/deviations.md (small): {key} = {value}"
 
