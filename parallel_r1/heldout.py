@@ -74,10 +74,11 @@ def _diversity_by_bleu(row: Mapping[str, Any]) -> float | None:
     return 1.0 - self_bleu(row["response"]) if row["parallel"] else None
 
 
-def _diversity_as_rewarded(row: Mapping[str, Any]) -> float:
-    """1 − `format.self_bleu` of any sample, as parallel_diversity reads it: every closed
-    `<Parallel>…</Parallel>` span counts, well-formed or not, and a sample without one is 0. A run can
-    raise this while its parallel ratio falls (diverse paths in blocks that fail the format check)."""
+def _diversity_of_any_block(row: Mapping[str, Any]) -> float:
+    """1 − `format.self_bleu` of any sample, as the official parallel_diversity reads it
+    (`self_bleu_reads: any_block`): every closed `<Parallel>…</Parallel>` span counts, well-formed or not,
+    and a sample without one is 0. A run can raise this while its parallel ratio falls (diverse paths in
+    blocks that fail the format check)."""
     return 1.0 - self_bleu(row["response"])
 
 
@@ -86,8 +87,8 @@ METRICS: dict[str, tuple[str, Callable[[Mapping[str, Any]], float | None]]] = {
     "parallel_ratio": ("parallel ratio", lambda row: float(row["parallel"])),
     "path_diversity": ("path diversity (1 − word-level similarity)", lambda row: row.get("path_diversity")),
     "one_minus_self_bleu": ("1 − self-BLEU of the paths (the diversity reward's term)", _diversity_by_bleu),
-    "one_minus_self_bleu_as_rewarded": ("1 − self-BLEU as the reward reads it (any closed block, 0 without)",
-                                        _diversity_as_rewarded),
+    "one_minus_self_bleu_any_block": ("1 − self-BLEU of any closed block, well-formed or not (0 without)",
+                                      _diversity_of_any_block),
     "accuracy": ("accuracy", lambda row: float(row["correct"])),
 }
 
@@ -134,7 +135,7 @@ def markdown(results: Mapping[str, Mapping[str, PairedInterval | None]], inits: 
              "and sampler seeds (`evaluate@<model>`); per question, final − init; the mean of these paired "
              f"differences and its {int(LEVEL * 100)}% percentile bootstrap interval over questions "
              f"({resamples} resamples). Path diversity and 1 − self-BLEU pair only the questions where both "
-             "models wrote a well-formed block (n says how many); 1 − self-BLEU as the reward reads it pairs "
+             "models wrote a well-formed block (n says how many); 1 − self-BLEU of any closed block pairs "
              "every question. **Beyond noise** = the interval excludes 0.", "",
              "| Run | Init | Metric | n | Init | Final | Final − init | 95% interval | Beyond noise |",
              "|---|---|---|---|---|---|---|---|---|"]

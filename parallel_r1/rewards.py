@@ -296,7 +296,8 @@ def reward_type_at(name: str, step: int, config: RewardConfig | None = None) -> 
 def score(reward_type: str, correct: bool, parallel: bool, attempted: bool, config: RewardConfig,
           paths_self_bleu: float = 1.0) -> float:
     """Reward of one response: `parallel` = >= 1 well-formed block, `attempted` = any `<Parallel>`,
-    `paths_self_bleu` = `format.self_bleu` of the response (read by parallel_diversity only)."""
+    `paths_self_bleu` = `format.self_bleu` of the response, or NO_BLOCK_SELF_BLEU where
+    `RewardConfig.self_bleu_reads` does not read it (read by parallel_diversity only)."""
     win, lose = config.correct_reward, config.incorrect_reward
     if reward_type == PARALLEL_DIVERSITY:
         earned = parallel if config.parallel_bonus_needs == "well_formed" else attempted

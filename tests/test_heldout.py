@@ -67,7 +67,7 @@ def test_compare_on_fixed_samples():
     bleu = result["one_minus_self_bleu"]
     assert bleu is not None and bleu.n == 8 and bleu.init_mean == pytest.approx(0.0, abs=1e-9)
     assert bleu.final_mean == pytest.approx(1.0)
-    rewarded = result["one_minus_self_bleu_as_rewarded"]  # every question: 0 without a block
+    rewarded = result["one_minus_self_bleu_any_block"]  # every question: 0 without a block
     assert rewarded is not None and rewarded.n == 32 and rewarded.init_mean == pytest.approx(0.0, abs=1e-9)
     assert rewarded.final_mean == pytest.approx(0.75)
     accuracy = result["accuracy"]
@@ -77,13 +77,13 @@ def test_compare_on_fixed_samples():
     assert json.loads(json.dumps(heldout.as_json({"run": result})))["run"]["parallel_ratio"]["excludes_zero"]
 
 
-def test_diverse_paths_in_a_block_that_fails_the_format_check_count_only_as_the_reward_reads_them():
+def test_diverse_paths_in_a_block_that_fails_the_format_check_count_only_in_the_any_block_row():
     broken = BLOCK_APART + "</Path>"  # a stray closing tag: not well-formed, but the span is closed
     init = [row(str(q), parallel=False) for q in range(32)]
     final = [row(str(q), parallel=False, response=broken) for q in range(32)]
     result = heldout.compare(init, final, seed=0, where=("init.jsonl", "final.jsonl"))
     assert result["one_minus_self_bleu"] is None and result["path_diversity"] is None
-    ratio, rewarded = result["parallel_ratio"], result["one_minus_self_bleu_as_rewarded"]
+    ratio, rewarded = result["parallel_ratio"], result["one_minus_self_bleu_any_block"]
     assert ratio is not None and ratio.mean_difference == 0
     assert rewarded is not None and rewarded.mean_difference == pytest.approx(1.0) and rewarded.excludes_zero
 
