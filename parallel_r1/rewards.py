@@ -18,7 +18,7 @@ completions with `skip_special_tokens=True`, which strips our tags, so the rollo
 passes the raw text in `completion_text`; it wins over `completions` when present.
 
 Schedules are names resolved through one registry (`REWARDS`, `build_reward`). A schedule
-picks, per optimizer step, one of five reward types; steps are 1-based and come from
+picks, per step (rollout batch), one of five reward types; steps are 1-based and come from
 `trainer_state.global_step // updates_per_step + 1`: a step is one rollout batch, which feeds
 `updates_per_step` optimizer updates (GRPO mini-batches), and TRL generates (and scores) the
 batch of step s while `global_step` still counts the (s - 1) x updates_per_step finished updates.
@@ -188,9 +188,10 @@ class RewardConfig:
             parallel_only (+1 iff >= 1 well-formed block).
         tiered_parallel_reward: tiered reward for a correct answer with >= 1 well-formed block (1.2).
         tiered_correct_reward: tiered reward for a correct answer with no `<Parallel>` at all (1.0).
-            A correct answer whose blocks break Algorithm 1 gets incorrect_reward, as in the
-            official `math_dapo_emphase_parallel.py`.
-    Schedules (steps are 1-based optimizer steps):
+            A correct answer that holds `<Parallel>` but fails `parallel_check` (on the paper profile
+            the authors' check of the whole response; Algorithm 1 under "algorithm1") gets
+            incorrect_reward, as in the official S2 reward, `math_dapo_acc_parallel_interved.py`.
+    Schedules (steps are 1-based steps, one rollout batch each, not optimizer updates):
         window: length of the alternating cycle (10).
         tiered_steps: steps per window that use the tiered reward, at the window's end (2):
             step s is tiered when (s - 1) mod window >= window - tiered_steps.
@@ -289,7 +290,7 @@ def _schedule(name: str) -> Schedule:
 
 
 def reward_type_at(name: str, step: int, config: RewardConfig | None = None) -> str:
-    """Reward type (one of REWARD_TYPES) that schedule `name` uses at 1-based optimizer `step`."""
+    """Reward type (one of REWARD_TYPES) that schedule `name` uses at 1-based `step` (a rollout batch)."""
     return _schedule(name)(step, config or RewardConfig())
 
 

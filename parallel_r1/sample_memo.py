@@ -12,8 +12,11 @@ minutes of decoding, and its log names the model whose samples it shares.
 The key hashes tensor *values* as float32 (plus the config and tokenizer files), not file bytes
 like the partial files' stamp: a re-saved checkpoint (the base model is stored in
 bf16, an RL model saved from float32 masters) hits, and any changed weight misses. It also hashes
-the source of every module on the generation path (`GENERATION_CODE`, the evaluate stage's code
-deps in dvc.yaml), the torch / transformers / vLLM versions and the device, so a fixed engine or a
+the source of every module on the generation path (`GENERATION_CODE`: every file of engine/, the
+evaluation, structure, format, prompts, models, memo, digest, generation and identity modules and
+stages/evaluate.py: the evaluate stage's code deps in dvc.yaml less rewards.py (scoring, which always
+runs), config.py, io.py and stages/common.py, plus engine/vllm_server.py, which that stage does not
+import), the torch / transformers / vLLM versions and the device, so a fixed engine or a
 new library never brings back old samples (the device includes a CPU's kernel level and native
 bf16, which decide whether a model is decoded in bf16: `weights_digest.device_kernels`). Only
 generated text is memoised: each problem's answer comes from the current data/eval files and

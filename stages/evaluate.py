@@ -9,10 +9,9 @@ model's training prompt and rollout mode (parallel forking, structured attention
 Unseen variant), scored by the training reward's answer checker. Writes
 metrics/eval/<model>/<benchmark>.json and the samples to data/samples/<model>/<benchmark>.jsonl.
 Each run is the MLflow run `evaluate@<model>` with metrics `<benchmark>.<metric>` (the
-curve: `scaffold_curve`, one point per step). One process (one engine start) serves all benchmarks of a model:
-with vLLM a start costs
-minutes on a GPU node and ~70 s on a CPU, so a process per (model, benchmark) would
-multiply that by the number of benchmarks.
+curve: `scaffold_curve`, one point per step). One process (one engine start) serves all benchmarks of a
+model: an engine start is a fixed cost per process, largest with vLLM (docs/benchmarks.md, "Start-up"), so
+a process per (model, benchmark) would multiply it by the number of benchmarks.
 
 An evaluation whose weights (by value) and sampling settings match one already run reuses its
 samples (parallel_r1/sample_memo.py: an RL run without a reward spread keeps its init's weights).

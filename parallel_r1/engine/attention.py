@@ -2,17 +2,17 @@
 
 transformers' "sdpa" repeats every key/value head `num_key_value_groups` times (a full copy of
 the KV cache, every layer, every step) whenever an attention mask is given, because CUDA's
-fast kernels cannot take a mask together with `enable_gqa`. The CPU kernel can: for
-SmolLM2-135M (9 query / 3 KV heads) decoding 32 rows of 500 tokens, one layer's attention took
-1.8 ms with `enable_gqa` and 22.7 ms with the copy. Off the CPU this defers to "sdpa" unchanged.
-Same kernel, same mask, same result (the tests compare logits with "sdpa").
+fast kernels cannot take a mask together with `enable_gqa`. The CPU kernel can, so on CPU the
+copy is skipped and a decode step's attention gets much faster (docs/benchmarks.md, "Decoding").
+Off the CPU this defers to "sdpa" unchanged. Same kernel, same mask, same result (the tests
+compare logits with "sdpa").
 
 One exception, a decode step (one query token) in bf16/fp16 on CPU: there the SDPA kernel is
-slow (SmolLM2-135M's attention over 64 rows of 600 cached tokens: 19.9 ms per layer in bf16
-against 3.9 ms in float32), so `grouped_decode_attention` computes it as two matmuls per KV
-head group with a float32 softmax: 1.8 ms. Its outputs differ from the bf16 kernel's by bf16
-rounding: its scores come out of a bf16 matmul (as in eager attention; the kernel keeps them in
-float32), and the probabilities are rounded to bf16 for the value matmul, as flash kernels do.
+slower than in float32, so `grouped_decode_attention` computes it as two matmuls per KV head
+group with a float32 softmax, faster than either (docs/benchmarks.md, "Decoding"). Its outputs
+differ from the bf16 kernel's by bf16 rounding: its scores come out of a bf16 matmul (as in eager
+attention; the kernel keeps them in float32), and the probabilities are rounded to bf16 for the
+value matmul, as flash kernels do.
 """
 
 from __future__ import annotations

