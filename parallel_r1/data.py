@@ -61,10 +61,14 @@ TEACHER_DEMOS = Source("teacher_demos_gsm8k.jsonl", "Parallel-R1/Parallel-GSM8K"
 # Problem sets built from other sources (prepare_data's `source` takes these names too).
 RELEASED_QUESTIONS = "gsm8k_train_released"
 PROBLEM_SETS = (*SOURCES, RELEASED_QUESTIONS)
+# Generated, not read (parallel_r1/arithmetic.py): prepare_data's `source` takes it with a level and a split.
+GENERATED = "arithmetic"
 
 
 def mirror_files(name: str) -> frozenset[str]:
     """The mirror files problem set `name` is read from (what its stage must declare as DVC deps)."""
+    if name == GENERATED:
+        return frozenset()
     if name == RELEASED_QUESTIONS:
         return frozenset({SOURCES["gsm8k_train"].mirror_file, TEACHER_DEMOS.mirror_file})
     return frozenset({SOURCES[name].mirror_file})

@@ -8,8 +8,9 @@ where either model has none drops out of that metric's pairs). The interval is t
 over questions: resample the n paired differences with replacement, take the mean, `resamples` times.
 An interval that excludes 0 says the change is beyond the sampling noise of these n questions.
 
-Beyond the paper: the small profile's RL runs are ten updates on a 135M model, where a two-step reward
-curve is noise; this is the check that the parallel-only and diversity runs changed what the model writes.
+Beyond the paper: the small profile's RL runs are ten updates on a 135M model, where a few steps of a reward
+curve are noise; this is the check that its comparisons (GRPO baseline, S1, S2, parallel-only, diversity)
+changed what the model writes, on held-out generated problems (parallel_r1/arithmetic.py).
 """
 
 from __future__ import annotations
@@ -131,9 +132,9 @@ def markdown(results: Mapping[str, Mapping[str, PairedInterval | None]], inits: 
              benchmark: str, banner: str, resamples: int = RESAMPLES) -> str:
     """reports/heldout.md: one row per (run, metric)."""
     lines = ["# Held-out check — init vs final model of the RL runs that can move", "", banner, "",
-             f"Each run's init model and final model on the same {benchmark} test questions, same prompts "
-             "and sampler seeds (`evaluate@<model>`); per question, final − init; the mean of these paired "
-             f"differences and its {int(LEVEL * 100)}% percentile bootstrap interval over questions "
+             f"Each run's init model and final model on the same held-out `{benchmark}` questions, same "
+             "prompts and sampler seeds (`evaluate@<model>`); per question, final − init; the mean of these "
+             f"paired differences and its {int(LEVEL * 100)}% percentile bootstrap interval over questions "
              f"({resamples} resamples). Path diversity and 1 − self-BLEU pair only the questions where both "
              "models wrote a well-formed block (n says how many); 1 − self-BLEU of any closed block pairs "
              "every question. **Beyond noise** = the interval excludes 0.", "",

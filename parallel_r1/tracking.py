@@ -162,13 +162,14 @@ def run_tags(stage: str, config: str | None, params: Mapping[str, Any] | None,
 
 @contextlib.contextmanager
 def stage_run(stage: str, config: str | None = None, params: Mapping[str, Any] | None = None,
-              tags: Mapping[str, Any] | None = None) -> Iterator[str | None]:
+              tags: Mapping[str, Any] | None = None, label: str | None = None) -> Iterator[str | None]:
     """Make `<stage>@<config>` the active MLflow run for the block; yields its id (None when off).
 
-    Nested under the run in env PARALLEL_R1_PARENT_RUN_ID when set. Ends FINISHED, or FAILED
-    when the block raises (the exception goes on untouched).
+    `label` is appended to the run's name in brackets (an RL run's reward schedule: runs compared side
+    by side in the UI say what they compare). Nested under the run in env PARALLEL_R1_PARENT_RUN_ID when
+    set. Ends FINISHED, or FAILED when the block raises (the exception goes on untouched).
     """
-    name = f"{stage}@{config}" if config else stage
+    name = (f"{stage}@{config}" if config else stage) + (f" ({label})" if label else "")
     run_id = _create_run(name, params, run_tags(stage, config, params, tags), os.environ.get(PARENT_ENV))
     if run_id is None:
         yield None

@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     dtype = str(section(params, "model").get("dtype", "float32"))
     started = time.perf_counter()
     model_dir = Path(f"models/{run}")
-    with tracking.stage_run("rl", run, params, tags=tags):
+    with tracking.stage_run("rl", run, params, tags=tags, label=options.reward):
         key = run_memo.run_key(options, rows, init_dir, rewards, dtype)
         reused = run_memo.reuse(key, model_dir) if key is not None else None
         if reused is not None:

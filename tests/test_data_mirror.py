@@ -7,12 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import yaml
-
 from conftest import copy_repo
+
 from parallel_r1.data import SOURCES, TEACHER_DEMOS, mirror_files
-from stages.common import link_mirror_for_temp_experiments, load_params
+from stages.common import link_mirror_for_temp_experiments
 from stages.profiles import compose, profile_names
 from stages.sft import PROBE_SET
 
@@ -60,7 +59,7 @@ def dvc(repo: Path, *args: str) -> subprocess.CompletedProcess:
 
 def test_mirror_edit_makes_dvc_status_report_the_stage(tmp_path):
     mirror = tmp_path / "mirror"
-    for name in files_read(load_params(REPO / "params.yaml"))["prepare_data"]:
+    for name in mirror_deps()["prepare_data"]:   # every file it declares (the profiles' union), as DVC needs
         (mirror / name).parent.mkdir(parents=True, exist_ok=True)
         (mirror / name).write_text('{"id": "1", "question": "q", "problem": "q", "ground_truth": "1"}\n')
     repo = copy_repo(tmp_path / "repo", mirror)

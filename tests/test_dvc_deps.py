@@ -304,3 +304,26 @@ def test_a_teacher_set_limit_makes_only_that_sets_generation_stale(locked_repo, 
     set_param(locked_repo / "params.yaml", "generate_datasets.dapo.limit", "4")
     # filter reads every set's entry (names, sources); it also reads data/teacher/dapo.jsonl, so it reruns anyway
     assert stale_stages(locked_repo) == {"generate@dapo", "filter"}
+
+
+def declared_deps(stage: str) -> set[str]:
+    """The deps of one stage of dvc.yaml as written (no interpolation: report stages name paths)."""
+    return set(yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"][stage]["deps"])
+
+
+@pytest.mark.parametrize("profile", ["small", "tiny", "paper"])
+def test_report_stages_depend_on_the_runs_their_params_name(profile):
+    """heldout reads the samples of each run of reports.heldout_runs and of its init; reward_schedules the
+    step and summary files of reports.reward_schedule_runs: a run a profile adds there must be a dep."""
+    from parallel_r1.config import from_mapping
+    from parallel_r1.reports import ReportOptions
+    from stages.profiles import compose
+
+    params = compose(REPO, profile)
+    options = from_mapping(ReportOptions, params.get("reports", {}), "reports")
+    read = {f"data/samples/{model}" for run in options.heldout_runs
+            for model in (run, params["rl_runs"][run]["init"])}
+    assert read <= declared_deps("heldout"), read - declared_deps("heldout")
+    read = {f"metrics/rl/{run}/{name}" for run in options.reward_schedule_runs
+            for name in ("steps.json", "summary.json")}
+    assert read <= declared_deps("reward_schedules"), read - declared_deps("reward_schedules")

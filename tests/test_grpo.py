@@ -601,7 +601,7 @@ def test_stage_writes_model_steps_and_summary_and_an_equal_run_reuses_them(
     client = MlflowClient(tracking_uri=uri)
     runs = {run.info.run_name: run for run in client.search_runs(
         [client.get_experiment_by_name("rl-memo-test").experiment_id])}
-    trained_run, reused_run = runs["rl@grpo_dapo"], runs["rl@grpo_gsm8k_then_dapo"]
+    trained_run, reused_run = runs["rl@grpo_dapo (accuracy)"], runs["rl@grpo_gsm8k_then_dapo (accuracy)"]
     assert reused_run.data.tags["reused_from"] == "grpo_dapo" and "reused_from" not in trained_run.data.tags
     # (TRL's profiling timers go to MLflow straight, outside the log history: the time this run took is its own)
     trained_keys = {key for key in trained_run.data.metrics if not key.startswith("profiling/")}

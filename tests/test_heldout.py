@@ -88,6 +88,22 @@ def test_diverse_paths_in_a_block_that_fails_the_format_check_count_only_in_the_
     assert rewarded is not None and rewarded.mean_difference == pytest.approx(1.0) and rewarded.excludes_zero
 
 
+def test_the_accuracy_row_pairs_every_question_on_fixed_samples():
+    """Init right on 8 of 64 questions, final on 24 (every init-right one kept): +0.250, beyond noise."""
+    init = [row(str(q), parallel=False, correct=q < 8) for q in range(64)]
+    final = [row(str(q), parallel=False, correct=q < 24) for q in range(64)]
+    accuracy = heldout.compare(init, final, seed=0, where=("init.jsonl", "final.jsonl"))["accuracy"]
+    assert accuracy is not None and accuracy.n == 64
+    assert (accuracy.init_mean, accuracy.final_mean, accuracy.mean_difference) == (0.125, 0.375, 0.25)
+    assert 0.1 < accuracy.low < 0.25 < accuracy.high < 0.4
+    text = heldout.markdown({"grpo": {"accuracy": accuracy}}, {"grpo": "base"}, "arithmetic", "> banner")
+    assert (f"| `grpo` | `base` | accuracy | 64 | 0.125 | 0.375 | +0.250 | [+{accuracy.low:.3f}, "
+            f"+{accuracy.high:.3f}] | yes, up |") in text
+    # two samples a question: a question's value is its mean, 0.5 where one of two is right
+    pairs = [row("a", False, correct=True), {**row("a", False), "sample_index": 1}]
+    assert heldout.per_question(pairs, "accuracy", "x.jsonl") == {"a": 0.5}
+
+
 def test_different_question_sets_are_an_error_naming_the_file():
     with pytest.raises(PipelineError, match="^final.jsonl: its questions differ from init.jsonl's"):
         heldout.compare([row("a", False)], [row("b", False)], seed=0, where=("init.jsonl", "final.jsonl"))

@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 
+from conftest import REPO
 from parallel_r1.errors import PipelineError
 from parallel_r1.format import PARALLEL_OPEN, TAGS
 from parallel_r1.models import (
@@ -211,3 +212,71 @@ def test_seeded_grpo_steps_under_the_diversity_reward_get_a_spread_and_move_the_
     delta = sum(float((new[k].float() - old[k].float()).norm() ** 2) for k in old) ** 0.5
     norm = sum(float(old[k].float().norm() ** 2) for k in old) ** 0.5
     assert delta / norm > 1e-4, delta / norm   # two Adam steps of lr 1e-4 move every updated weight by ~lr
+
+
+class AnswerHalfTheRollouts:
+    """After FREE tokens of SmolLM2's own sampling, even batch rows write `Final Answer: <truth>`, odd rows
+    `Final Answer: <truth + 1>`, then EOS; tags and EOS are banned elsewhere. Every group of 4 then holds two
+    right answers and two wrong ones, as a group of the generated problems does when the model is right
+    sometimes (docs/rl_small_profile.md), without waiting for a seed where it happens."""
+
+    FREE = 3
+
+    def __init__(self, tokenizer, truth: int) -> None:
+        from dataclasses import astuple
+
+        from parallel_r1.structure import TagIds
+
+        self.eos = tokenizer.eos_token_id
+        self.special = [*astuple(TagIds.from_tokenizer(tokenizer)), self.eos]
+        self.turn = tokenizer.convert_tokens_to_ids("<|im_start|>")
+        self.header = len(tokenizer("assistant\n", add_special_tokens=False)["input_ids"])
+        self.endings = [[*tokenizer(f"\nFinal Answer: {answer}", add_special_tokens=False)["input_ids"], self.eos]
+                        for answer in (truth, truth + 1)]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.clone()
+        scores[:, self.special] = float("-inf")
+        for row, sequence in enumerate(input_ids.tolist()):
+            start = len(sequence) - sequence[::-1].index(self.turn) + self.header
+            written = len(sequence) - start - self.FREE
+            ending = self.endings[row % 2]
+            if 0 <= written < len(ending):
+                scores[row] = float("-inf")
+                scores[row, ending[written]] = 0.0
+        return scores
+
+
+def test_seeded_grpo_steps_on_the_generated_problems_get_an_accuracy_spread_and_move_the_weights(prepared,
+                                                                                             tmp_path):
+    """Two seeded GRPO-baseline steps of SmolLM2 (accuracy reward, baseline prompt, the small profile's lr) on the
+    small profile's easy generated problems: the reward reads their ground truths, every step has a spread
+    (half of each group right), and the policy moves. Asserts what GRPO needs to learn, not how fast it runs."""
+    from parallel_r1.arithmetic import ArithmeticLevel, split_problems
+    from parallel_r1.rewards import RewardConfig
+    from parallel_r1.training.grpo import RLOptions, train_rl
+    from stages.profiles import compose
+
+    folder, _, tokenizer, _ = prepared
+    settings = compose(REPO, "small")["data"]["arithmetic"]
+    easy = settings["levels"]["easy"]
+    level = ArithmeticLevel(**{**easy, "operations": tuple(easy["operations"])})
+    problem = split_problems("easy", level, settings["seed"], settings["heldout"], "train")[0]
+    options = RLOptions(run="grpo", init="base", dataset="gsm8k", reward="accuracy", variant="seen",
+                        prompt="baseline", parallel=False, batch_size=1, num_generations=4, max_steps=2,
+                        lr=1e-4, max_completion_tokens=32, engine="transformers", per_device_batch_size=4,
+                        save_steps=1, gradient_checkpointing=False, seed=0)
+    result = train_rl(options, folder, [problem], tmp_path / "model", tmp_path / "checkpoints",
+                      reward_config=RewardConfig(), dtype="bfloat16",
+                      engine_options={"logits_processor": AnswerHalfTheRollouts(tokenizer,
+                                                                                int(problem["ground_truth"]))})
+    assert [record["step"] for record in result.history] == [1, 2]
+    for record in result.history:
+        assert record["reward_type"] == "accuracy" and record["accuracy"] == 0.5, record
+        assert record["frac_reward_zero_std"] == 0.0 and record["reward"] == pytest.approx(0.0), record
+    before, _ = load_model(folder)
+    after, _ = load_model(result.model_dir)
+    old, new = before.state_dict(), after.state_dict()
+    delta = sum(float((new[k].float() - old[k].float()).norm() ** 2) for k in old) ** 0.5
+    norm = sum(float(old[k].float().norm() ** 2) for k in old) ** 0.5
+    assert delta / norm > 1e-4, delta / norm
