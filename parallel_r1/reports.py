@@ -72,12 +72,12 @@ PROFILE_NOTES = {
              "additions and subtractions for the DAPO stage: data.arithmetic), which this model solves "
              "some of the time, so the accuracy rewards get a spread and the paper's comparisons (GRPO "
              "baseline, S1 accuracy, S2 alternating, parallel-only and the diversity reward) train ten "
-             "updates each; reports/heldout.md compares each with its init on 64 held-out problems (paired "
-             "bootstrap) and reports/reward_schedules.md puts their curves side by side "
-             "(docs/rl_small_profile.md). What it cannot show: the paper's accuracies -- a 135M model "
-             "scores ~0 on AIME/AMC/MATH and GSM8K (one problem each, eight of GSM8K: honest zeros), and "
-             "the other RL runs (Seen, the training-stage and prompt ablations, scaffold) run 1-2 steps as "
-             "mechanics checks, all that a one-hour run on two cores affords",
+             "updates each; reports/heldout.md compares the SFT-initialised ones with their init on 64 "
+             "held-out problems (paired bootstrap) and reports/reward_schedules.md puts their curves side "
+             "by side (docs/rl_small_profile.md). What it cannot show: the paper's accuracies -- a 135M "
+             "model scores ~0 on AIME/AMC/MATH and GSM8K (one problem each, eight of GSM8K: honest zeros),"
+             " and the other RL runs (Seen, the training-stage and prompt ablations, scaffold) run 1-2 "
+             "steps as mechanics checks, all that a one-hour run on two cores affords",
     "tiny": "a random-init tiny model; accuracies are not comparable to the paper, "
             "every cell is computed by the real pipeline",
     "paper": "the paper's settings; numbers are comparable to the paper's",

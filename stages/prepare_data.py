@@ -59,6 +59,11 @@ def arithmetic_levels(params: dict) -> tuple[dict, dict[str, arithmetic.Arithmet
     unknown = sorted(set(settings) - set(ARITHMETIC_KEYS))
     if unknown:
         raise PipelineError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(ARITHMETIC_KEYS)})")
+    for key in ("seed", "heldout"):
+        value = settings.get(key, 0 if key == "seed" else 64)
+        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if key == "seed" else 1):
+            raise PipelineError(f"{where}.{key}: must be an integer >= {0 if key == 'seed' else 1}, "
+                                f"got {value!r}")
     levels = {name: from_mapping(arithmetic.ArithmeticLevel,
                                  {key: tuple(value) if key == "operations" else value
                                   for key, value in (spec or {}).items()}, f"{where}.levels.{name}")
@@ -72,8 +77,11 @@ def problems_of(spec: dict, mirror: str | None, arithmetic_settings: dict,
     if spec["source"] != GENERATED:
         return load_problems(spec["source"], mirror, spec.get("limit"))
     level = spec["level"]
-    problems = arithmetic.split_problems(level, levels[level], int(arithmetic_settings.get("seed", 0)),
-                                         int(arithmetic_settings.get("heldout", 64)), spec["split"])
+    try:
+        problems = arithmetic.split_problems(level, levels[level], arithmetic_settings.get("seed", 0),
+                                             arithmetic_settings.get("heldout", 64), spec["split"])
+    except PipelineError as err:
+        raise PipelineError(f"params.yaml data.arithmetic.{err}") from None
     return [dict(problem, dataset=f"{GENERATED}_{level}_{spec['split']}")
             for problem in problems[:spec.get("limit")]]
 
