@@ -38,10 +38,6 @@ SUMMARY_WITHOUT_BLOCK = "summary_without_block"
 BLOCK_WITHOUT_SUMMARY = "block_without_summary"
 UNCLOSED_TAG = "unclosed_tag"
 NO_PARALLEL_BLOCK = "no_parallel_block"
-REJECTION_REASONS = (
-    UNEXPECTED_CLOSE, WRONG_NESTING, TOO_FEW_PATHS, SUMMARY_WITHOUT_BLOCK,
-    BLOCK_WITHOUT_SUMMARY, UNCLOSED_TAG, NO_PARALLEL_BLOCK,
-)
 
 
 @dataclass(frozen=True)

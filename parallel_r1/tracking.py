@@ -85,9 +85,14 @@ def enabled() -> bool:
     stage, one run), or when MLflow at the tracking URI already failed in this process (one
     warning, then silence)."""
     switch = os.environ.get(SWITCH_ENV, "on").strip().lower()
-    main_process = os.environ.get("RANK", "0").strip() in ("", "0")
     return switch not in {"off", "0", "false",
-                          "no"} and main_process and tracking_uri() not in _STATE.broken_uris
+                          "no"} and is_main_process() and tracking_uri() not in _STATE.broken_uris
+
+
+def is_main_process() -> bool:
+    """Rank 0 under `accelerate launch` / torchrun (which set RANK), else the only process (RANK unset
+    or empty)."""
+    return os.environ.get("RANK", "0").strip() in ("", "0")
 
 
 def project_root() -> Path:
@@ -258,14 +263,6 @@ def set_tags(tags: Mapping[str, Any]) -> None:
     if run_id is None or not enabled():
         return
     _guard("set tags", lambda: _set_tags(run_id, {key: str(value) for key, value in tags.items()}))
-
-
-def log_params(params: Mapping[str, Any], run_id: str | None = None) -> None:
-    """Log (flattened) params to `run_id` or the active stage run."""
-    target = run_id or _STATE.stage_run_id
-    if target is None or not enabled():
-        return
-    _log_params(target, params)
 
 
 def log_artifact(path: str | os.PathLike, artifact_path: str | None = None) -> None:

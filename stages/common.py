@@ -18,6 +18,7 @@ from typing import Any, Callable
 import yaml
 
 from parallel_r1.errors import PipelineError
+from parallel_r1.tracking import is_main_process  # one definition: the rank that logs and tracks
 
 PARAMS_FILE = Path(os.environ.get("PARALLEL_R1_PARAMS", "params.yaml"))
 log = logging.getLogger("stages")  # every stage's progress lines; set up once by `stage_main`
@@ -105,11 +106,6 @@ def section(params: dict[str, Any], *keys: str) -> Any:
             raise PipelineError(f"params.yaml: missing key {'.'.join(keys[: depth + 1])}")
         node = node[key]
     return node
-
-
-def is_main_process() -> bool:
-    """Rank 0 under `accelerate launch` / torchrun (which set RANK), else the only process."""
-    return int(os.environ.get("RANK", "0")) == 0
 
 
 class _StdoutHandler(logging.Handler):
