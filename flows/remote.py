@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import subprocess
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Collection
 
@@ -42,6 +44,12 @@ def remote_url(root: Path, name: str) -> str:
     if "://" not in url and ":" not in url.split("/", 1)[0] and not os.path.isabs(url):
         url = str((root / url).resolve())
     return url
+
+
+def unique_id(kind: str) -> str:
+    """`<kind>-<UTC year to second>-<6 random hex>`: a sweep's or a fanned-out run's id, unique across clones
+    and machines (refs/sweeps/<id> on the shared git remote, MLflow parent-run names), sortable by time."""
+    return f"{kind}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
 
 
 def push_baseline(root: Path, git_remote: str, run_id: str, allowed: Collection[str] = ()) -> str:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from datetime import datetime
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
@@ -37,7 +36,7 @@ from prefect.runtime import flow_run
 from flows import workpool
 from flows.dvc_runner import DvcCommandError, TransientDvcError, dvc_json, plan_graph, plan_stages, run_dvc
 from flows.project_lock import holds_project_lock
-from flows.remote import push_baseline
+from flows.remote import push_baseline, unique_id
 from parallel_r1 import tracking
 from parallel_r1.run_summary import write_run_summary
 from stages.common import load_params
@@ -110,7 +109,7 @@ def _fan_out(pool: str, git_remote: str, targets: list[str], root: Path, force: 
     """Greedy rounds: the stages whose upstream stages are done are ready; up-to-date ones are confirmed
     here first (they may make more stages ready); then, when two or more ready stages must run, they go
     to the pool at once and are restored here from the run cache; a lone one runs here."""
-    reproduce_id = datetime.now().strftime("reproduce-%m%d-%H%M%S")
+    reproduce_id = unique_id("reproduce")
     upstream = plan_graph(targets, root)
     done: set[str] = set()
     ref = None

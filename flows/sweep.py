@@ -29,7 +29,6 @@ import argparse
 import itertools
 import re
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
@@ -40,7 +39,7 @@ from prefect.runtime import flow_run
 
 from flows import workpool
 from flows.dvc_runner import DvcCommandError, dvc_json, experiment_metrics, run_dvc
-from flows.remote import push_baseline
+from flows.remote import push_baseline, unique_id
 from flows.reproduce import PARAMS_FILE, retry_only_transient
 from parallel_r1 import tracking
 from parallel_r1.errors import PipelineError
@@ -143,7 +142,7 @@ def sweep(configurations: list[str], reward_schedules: list[str] = [], seeds: li
     params = load_params(root / PARAMS_FILE)
     profile = profile or str(params["profile"])
     check_names(params, configurations, reward_schedules)
-    sweep_id = datetime.now().strftime("sweep-%m%d-%H%M%S")
+    sweep_id = unique_id("sweep")
     experiments = plan_sweep(configurations, reward_schedules, seeds, profile, target, grid, sweep_id)
     logger = get_run_logger()
     logger.info("%s: %d experiments%s", sweep_id, len(experiments), f" on pool {pool!r}" if pool else "")

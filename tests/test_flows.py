@@ -355,3 +355,14 @@ def test_ui_stops_every_process_it_started_on_sigint(ui_stack):
     for url in (ui_stack["prefect"], ui_stack["mlflow"]):
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=5)
+
+
+def test_sweep_ids_carry_the_year_and_differ_within_one_second():
+    """Two clones starting sweeps in the same second must not share refs/sweeps/<id> on the git remote."""
+    import re
+
+    from flows.remote import unique_id
+
+    ids = {unique_id("sweep") for _ in range(50)}
+    assert len(ids) == 50
+    assert all(re.fullmatch(r"sweep-20\d{6}-\d{6}-[0-9a-f]{6}", sweep_id) for sweep_id in ids), ids
