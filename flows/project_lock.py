@@ -1,4 +1,4 @@
-"""One pipeline invocation at a time per project: `make run`, the flows and a profile switch hold this lock.
+"""One pipeline invocation at a time per project: `make run`, flows.reproduce and a profile switch hold it.
 
     with project_lock(root):   # flows.make_run; flows.reproduce: @holds_project_lock
         ...
@@ -8,7 +8,9 @@ DVC's own repo lock is not enough: `dvc repro` releases it while a stage command
 points (flows.make_run, flows.reproduce, stages.profiles) take this lock for their whole run; a second
 one is refused in one line naming the holder. It is an flock on .dvc/tmp/pipeline.lock: the kernel
 drops it when the holder dies (kill -9 included), so a stale lock never blocks a later run. Nested
-takes in one process (a flow switching the profile) are no-ops.
+takes in one process (a flow switching the profile) are no-ops. A sweep (flows.sweep) does not take it: each
+of its experiments is a `dvc exp run --temp` in a temporary clone (or a worker's clone), which never writes
+the workspace's outputs or dvc.lock.
 """
 
 from __future__ import annotations
