@@ -327,3 +327,20 @@ def test_report_stages_depend_on_the_runs_their_params_name(profile):
     read = {f"metrics/rl/{run}/{name}" for run in options.reward_schedule_runs
             for name in ("steps.json", "summary.json")}
     assert read <= declared_deps("reward_schedules"), read - declared_deps("reward_schedules")
+
+
+def test_every_stage_that_reads_validated_data_runs_after_validate():
+    """A row `validate` rejects must stop the stages that read it: they depend on its report (issue: evaluation
+    could run on data/eval rows that validation had failed)."""
+    import networkx as nx
+    from dvc.repo import Repo
+
+    with Repo(str(REPO)) as repo:
+        graph = repo.index.graph   # edges point from a stage to the stages it depends on
+        stages = {stage.addressing: stage for stage in graph.nodes}
+        readers = [name for name, stage in stages.items()
+                   if any(dep.def_path.startswith(("data/eval", "data/rl", "data/sft")) for dep in stage.deps)]
+        validate = stages["validate"]
+        late = [name for name in readers if name != "validate" and
+                validate not in nx.descendants(graph, stages[name])]
+    assert readers and not late, late
