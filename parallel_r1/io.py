@@ -150,6 +150,12 @@ def current_umask() -> int:
     return mask
 
 
+def json_problem(err: json.JSONDecodeError) -> str:
+    """What the decoder found and where on the line: json's own messages end mid-sentence ("Invalid control
+    character at") because the position is formatted after them."""
+    return f"{err.msg.removesuffix(' at')} at column {err.colno}"
+
+
 def read_json(path: str | os.PathLike) -> Any:
     """A JSON file's value; a missing file, bad UTF-8 or bad JSON is one line naming file and line."""
     path = Path(path)
@@ -163,7 +169,7 @@ def read_json(path: str | os.PathLike) -> Any:
         raise PipelineError(f"{path}:{line}: not valid UTF-8 (byte {err.start + 1} of the file); "
                             "corrupt file?") from None
     except json.JSONDecodeError as err:
-        raise PipelineError(f"{path}:{err.lineno}: not valid JSON ({err.msg}, column {err.colno})") from None
+        raise PipelineError(f"{path}:{err.lineno}: not valid JSON ({json_problem(err)})") from None
 
 
 def read_jsonl(path: str | os.PathLike, required: Iterable[str] = (),
@@ -192,7 +198,8 @@ def read_jsonl_lines(path: str | os.PathLike, required: Iterable[str] = (),
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                raise PipelineError(f"{path}:{lineno}: not valid JSON ({err.msg}); truncated file?") from None
+                raise PipelineError(f"{path}:{lineno}: not valid JSON ({json_problem(err)}); truncated "
+                                    "file?") from None
             if not isinstance(row, dict):
                 raise PipelineError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
             missing = [name for name in required if row.get(name) in (None, "")]

@@ -87,3 +87,12 @@ def test_truncated_and_empty_files_fail_with_the_line(tmp_path):
     path.write_text("")
     with pytest.raises(PipelineError, match="empty file"):
         read_jsonl(path)
+
+
+def test_a_json_error_says_where_on_the_line_in_a_whole_sentence(tmp_path):
+    """json's message for a raw control character is "Invalid control character at": the column completes it."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"a": 1}\n{"question": "two\tcolumns"}\n')
+    with pytest.raises(PipelineError, match=r"rows.jsonl:2: not valid JSON \(Invalid control character at column 18\); "
+                                            r"truncated file\?$"):
+        read_jsonl(path)
