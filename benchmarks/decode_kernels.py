@@ -22,6 +22,7 @@ import os
 import sys
 import time
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -43,10 +44,11 @@ def seconds(work, repeats: int) -> float:
 
 
 def attention(args) -> dict:
-    module = SimpleNamespace(num_key_value_groups=args.heads // args.kv_heads, is_causal=True)
+    module: Any = SimpleNamespace(num_key_value_groups=args.heads // args.kv_heads, is_causal=True)
     dtype = getattr(torch, args.dtype)
     query = torch.randn(args.rows, args.heads, 1, args.head_dim, dtype=dtype)
-    key, value = (torch.randn(args.rows, args.kv_heads, args.columns, args.head_dim, dtype=dtype) for _ in range(2))
+    key, value = (torch.randn(args.rows, args.kv_heads, args.columns, args.head_dim, dtype=dtype)
+                  for _ in range(2))
     mask = torch.ones(args.rows, 1, 1, args.columns, dtype=torch.bool)
     mask[:, :, :, : args.columns // 4] = torch.rand(args.rows, 1, 1, 1) > 0.5  # left padding on some rows
     ours = seconds(lambda: gqa_sdpa_forward(module, query, key, value, mask), args.repeats)

@@ -2,7 +2,8 @@
 
     python benchmarks/gpu_smoke.py                      # one CUDA GPU; vLLM if installed, else transformers
     python benchmarks/gpu_smoke.py --engine transformers
-    python benchmarks/gpu_smoke.py --device cpu         # the same checks, smaller, on a CPU (no FlexAttention)
+    python benchmarks/gpu_smoke.py --device cpu         # the same checks, smaller, on a CPU
+                                                        # (no FlexAttention)
 
 What it runs, each printed as one line with PASS/FAIL and its numbers:
   1. rollout backend checks: a stop token is the last token of a stopped segment; banned tokens
@@ -26,6 +27,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from parallel_r1.engine import EngineKind
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -47,8 +52,9 @@ def build_model(folder: Path, device: str) -> Path:
     from parallel_r1.models import TinyModelConfig, build_tiny_model, load_tokenizer, qwen3_tokenizer_dir
 
     tokenizer = load_tokenizer(qwen3_tokenizer_dir())
-    sizes = (TinyModelConfig(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-                             num_key_value_heads=2, head_dim=64) if device == "cuda" else
+    sizes = (TinyModelConfig(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+             if device == "cuda" else
              TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                              num_key_value_heads=1, head_dim=16))
     model = build_tiny_model(tokenizer, sizes)
@@ -57,7 +63,7 @@ def build_model(folder: Path, device: str) -> Path:
     return folder
 
 
-def backend_checks(folder: Path, engine_kind: str) -> None:
+def backend_checks(folder: Path, engine_kind: EngineKind) -> None:
     from parallel_r1.engine import RolloutConfig, make_engine
     from parallel_r1.engine.base import SegmentRequest
     from parallel_r1.models import load_tokenizer
@@ -72,16 +78,19 @@ def backend_checks(folder: Path, engine_kind: str) -> None:
             return frozenset(tokenizer.encode(text, add_special_tokens=False)[0] for text in texts)
 
         banned = ids(" a", " is", "\n")
-        requests = [SegmentRequest(tuple(p), 32, frozenset(), banned, seed=100 + i) for i, p in enumerate(prompts)]
+        requests = [SegmentRequest(tuple(p), 32, frozenset(), banned, seed=100 + i)
+                    for i, p in enumerate(prompts)]
         together = engine.backend.continue_batch(requests)
         report("bans hold", not any(set(r.token_ids) & banned for r in together))
         # Re-run each request with its own 6th token as a stop id: same seed, so it must stop right there.
         stopping = [SegmentRequest(r.token_ids, 32, frozenset({out.token_ids[5]}), banned, seed=r.seed)
-                    for r, out in zip(requests, together)]
+                    for r, out in zip(requests, together, strict=False)]
         stopped = engine.backend.continue_batch(stopping)
         expected = [out.token_ids[:out.token_ids.index(out.token_ids[5]) + 1] for out in together]
-        report("stop token last", all(s.stopped and s.token_ids == e for s, e in zip(stopped, expected)),
-               f"stopped after {[len(s.token_ids) for s in stopped]} tokens (expected {[len(e) for e in expected]})")
+        report("stop token last",
+               all(s.stopped and s.token_ids == e for s, e in zip(stopped, expected, strict=False)),
+               f"stopped after {[len(s.token_ids) for s in stopped]} tokens "
+               f"(expected {[len(e) for e in expected]})")
         report("one log-prob per token", all(len(r.token_ids) == len(r.logprobs) for r in together))
         alone = engine.backend.continue_batch(requests[:1])[0]
         report("same seed, same tokens alone or batched", *batch_invariance(alone, together[0]))
@@ -100,7 +109,8 @@ def batch_invariance(alone, batched, tolerance: float = 1e-3) -> tuple[bool, str
     same = next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
     drift = max((abs(a - b) for a, b in zip(alone.logprobs[:same], batched.logprobs[:same], strict=True)),
                 default=0.0)
-    return drift <= tolerance, (f"tokens diverge at {same}/{len(alone.token_ids)}; prefix log-probs differ by "
+    return drift <= tolerance, (f"tokens diverge at {same}/{len(alone.token_ids)}; "
+                                f"prefix log-probs differ by "
                                 f"<= {drift:.2e} (a near-tie flip when <= {tolerance})")
 
 
@@ -135,16 +145,19 @@ def grpo_checks(folder: Path, work: Path, engine_kind: str, variant: str, device
     from parallel_r1.training.grpo import RLOptions, grpo_config, train_rl
 
     generations = 4 if device == "cuda" else 2
-    rl = {"lr": 1e-4, "engine": engine_kind, "max_completion_tokens": 96 if device == "cuda" else 24,
-          "per_device_batch_size": 4, "save_steps": 1, "gradient_checkpointing": device == "cuda",
-          "vllm_gpu_memory_utilization": 0.3, "vllm_importance_sampling_correction": False}
-    shape = {"batch_size": 2, "mini_batch_size": 1, "num_generations": generations, "max_steps": 2}
-    run = {"init": "base", "dataset": "gsm8k", "reward": "accuracy", "variant": variant, "prompt": "parallel",
-           "parallel": True}
+    rl: dict[str, Any] = {"lr": 1e-4, "engine": engine_kind,
+                          "max_completion_tokens": 96 if device == "cuda" else 24, "per_device_batch_size": 4,
+                          "save_steps": 1, "gradient_checkpointing": device == "cuda",
+                          "vllm_gpu_memory_utilization": 0.3, "vllm_importance_sampling_correction": False}
+    shape: dict[str, Any] = {"batch_size": 2, "mini_batch_size": 1, "num_generations": generations,
+                             "max_steps": 2}
+    run: dict[str, Any] = {"init": "base", "dataset": "gsm8k", "reward": "accuracy", "variant": variant,
+                           "prompt": "parallel", "parallel": True}
     options = RLOptions(run=f"smoke_{variant}", **rl, **shape, **run)
     config = grpo_config(options, work / "config")
     report(f"grpo {variant}: importance-sampling weight off",
-           not (config.use_vllm and config.vllm_importance_sampling_correction), f"use_vllm={config.use_vllm}")
+           not (config.use_vllm and config.vllm_importance_sampling_correction),
+           f"use_vllm={config.use_vllm}")
     out, checkpoints = work / f"models/{variant}", work / f"checkpoints/{variant}"
     dtype = "bfloat16" if device == "cuda" else "float32"
     try:
@@ -163,16 +176,17 @@ def grpo_checks(folder: Path, work: Path, engine_kind: str, variant: str, device
            f"from {Path(result.resumed_from or '?').name}, {seconds:.0f} s, engine {result.engine}")
     clips = [(row.get("clip_ratio/low_mean"), row.get("clip_ratio/high_mean")) for row in logs.rows
              if "clip_ratio/region_mean" in row]
-    report(f"grpo {variant}: 2 updates per step, clip logged", len(clips) == 2, f"clip low/high per update {clips}")
+    report(f"grpo {variant}: 2 updates per step, clip logged", len(clips) == 2,
+           f"clip low/high per update {clips}")
 
 
 def sft_checks(folder: Path, work: Path, device: str) -> None:
     from parallel_r1.training.sft import SFTOptions, train_sft
 
-    section = {"batch_size": 4, "per_device_batch_size": 2, "lr": 1e-4, "weight_decay": 0.0, "warmup_ratio": 0.0,
-               "lr_scheduler": "constant", "max_length": 256, "max_steps": 2,
-               "attention_backend": "flex" if device == "cuda" else "dense", "gradient_checkpointing": False,
-               "save_steps": 2, "probe_questions": 0}
+    section: dict[str, Any] = {"batch_size": 4, "per_device_batch_size": 2, "lr": 1e-4, "weight_decay": 0.0,
+                               "warmup_ratio": 0.0, "lr_scheduler": "constant", "max_length": 256,
+                               "max_steps": 2, "attention_backend": "flex" if device == "cuda" else "dense",
+                               "gradient_checkpointing": False, "save_steps": 2, "probe_questions": 0}
     options = SFTOptions(variant="unseen", **section)
     result = train_sft(options, folder, SFT_ROWS, work / "models/sft_unseen", work / "checkpoints/sft_unseen",
                        dtype="bfloat16" if device == "cuda" else "float32")

@@ -34,6 +34,7 @@ import os
 import sys
 import time
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -41,12 +42,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from parallel_r1.engine import RolloutConfig, transformers_engine  # noqa: E402
 from parallel_r1.engine.base import KVSpan, SegmentRequest  # noqa: E402
-from parallel_r1.models import (TinyModelConfig, build_tiny_model, load_model, load_tokenizer,  # noqa: E402
-                                qwen3_tokenizer_dir)
+from parallel_r1.models import (  # noqa: E402
+    TinyModelConfig,
+    build_tiny_model,
+    load_model,
+    load_tokenizer,
+    qwen3_tokenizer_dir,
+)
 from parallel_r1.prompts import render_prompt  # noqa: E402
 from parallel_r1.structure import TagIds  # noqa: E402
 
-OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "metrics", "bench", "kv_forking.json")
+OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "metrics", "bench",
+                   "kv_forking.json")
 QUESTIONS = ["What is 2 + 3?", "A farmer has 12 cows and buys 7 more. How many cows does he have?",
              "Tom reads 15 pages a day. How many pages does he read in a week?",
              "A shirt costs $20 and is 25% off. What does it cost?"]
@@ -97,7 +104,7 @@ class Script:
         return None
 
 
-def setup(model_dir: str | None = None):
+def setup(model_dir: str | None = None) -> tuple[tuple[Any, Any, TagIds], list[list[int]]]:
     """The tiny random-init Qwen3, or the model folder `model_dir` (e.g. the small profile's models/base)."""
     if model_dir:
         model, tokenizer = load_model(model_dir, "float32")
@@ -105,19 +112,21 @@ def setup(model_dir: str | None = None):
     else:
         tokenizer = load_tokenizer(qwen3_tokenizer_dir())
         model = build_tiny_model(tokenizer, TinyModelConfig()).eval()
-    prompts = [tokenizer(render_prompt(tokenizer, q), add_special_tokens=False)["input_ids"] for q in QUESTIONS]
+    prompts = [tokenizer(render_prompt(tokenizer, q), add_special_tokens=False)["input_ids"]
+               for q in QUESTIONS]
     return (model, tokenizer, TagIds.from_tokenizer(tokenizer)), prompts
 
 
 def timed_rollouts(model, tokenizer, tags, prompts, length: int, kv_forking=True, parallel=True, mixed=False,
                    backend=None, paths=2, generations=1, share_prompts=True):
     """Rollouts of `length` tokens (4 blocks when parallel); seconds, tokens, the rollouts."""
-    config = RolloutConfig(parallel=parallel, num_paths=paths, max_blocks=4, max_tokens=length, temperature=1.0,
-                           structured=True, seed=1)
+    config = RolloutConfig(parallel=parallel, num_paths=paths, max_blocks=4, max_tokens=length,
+                           temperature=1.0, structured=True, seed=1)
     engine = transformers_engine(model, tokenizer, config, kv_forking=kv_forking, **(backend or {}))
-    engine.backend.share_prompts = share_prompts
+    backend_: Any = engine.backend  # TransformersBackend or ForkingTransformersBackend
+    backend_.share_prompts = share_prompts
     segment = max(8, length // 16)
-    engine.backend.logits_processor = Script(tokenizer, tags, engine.eos_ids, main=segment, path=segment,
+    backend_.logits_processor = Script(tokenizer, tags, engine.eos_ids, main=segment, path=segment,
                                              summary=max(4, segment // 2), mixed=mixed)
     started = time.perf_counter()
     rollouts = engine.generate(prompts, generations)
@@ -144,7 +153,7 @@ def same_tokens(a, b) -> bool:
     return all(x.completion_ids == y.completion_ids for x, y in zip(a, b, strict=True))
 
 
-def forking_vs_reprefill(setup_, args) -> list[dict]:
+def forking_vs_reprefill(setup_: tuple[Any, Any, TagIds], args) -> list[dict]:
     rows = []
     for length in args.lengths:
         (prefill_s, tokens, reference), (forked_s, _, forked) = fastest_of(
@@ -156,7 +165,7 @@ def forking_vs_reprefill(setup_, args) -> list[dict]:
     return rows
 
 
-def parallel_vs_plain(setup_, args) -> dict:
+def parallel_vs_plain(setup_: tuple[Any, Any, TagIds], args) -> dict:
     length = args.plain_length
     (parallel_s, tokens, rollouts), (plain_s, plain_tokens, _) = fastest_of(
         args.repeats, partial(timed_rollouts, *setup_, args.prompts_list, length),
@@ -167,7 +176,7 @@ def parallel_vs_plain(setup_, args) -> dict:
                 overhead=(plain_tokens / plain_s) / (tokens / parallel_s) - 1.0)
 
 
-def side_by_side(setup_, args) -> list[dict]:
+def side_by_side(setup_: tuple[Any, Any, TagIds], args) -> list[dict]:
     model, tokenizer, tags = setup_
     prompts = args.prompts_list
     rows = []
@@ -176,8 +185,9 @@ def side_by_side(setup_, args) -> list[dict]:
         backend = engine.backend
         context = tuple(prompts[0])
         run(backend, [SegmentRequest(context, 1, frozenset(), kv_key="ctx")])
-        requests = [SegmentRequest(context + (tags.parallel_open, tags.path_open), args.path_tokens, frozenset(),
-                                   seed=seed, kv_spans=(KVSpan("ctx", 0, len(context)),)) for seed in range(paths)]
+        requests = [SegmentRequest(context + (tags.parallel_open, tags.path_open), args.path_tokens,
+                                   frozenset(), seed=seed, kv_spans=(KVSpan("ctx", 0, len(context)),))
+                    for seed in range(paths)]
         (together_s, together), (alone_s, alone) = fastest_of(
             args.repeats, partial(timed, partial(run, backend, requests)),
             partial(timed, partial(one_by_one, backend, requests)))
@@ -205,19 +215,21 @@ def run(backend, requests):
     return [done[ticket] for ticket in tickets]
 
 
-def continuous_vs_rounds(setup_, args) -> dict:
+def continuous_vs_rounds(setup_: tuple[Any, Any, TagIds], args) -> dict:
     length = args.mixed_length
     options = dict(mixed=True, paths=3, generations=2)
     (rounds_s, tokens, rounds), (continuous_s, _, continuous) = fastest_of(
         args.repeats,
-        partial(timed_rollouts, *setup_, args.prompts_list, length, backend=dict(scheduling="rounds"), **options),
+        partial(timed_rollouts, *setup_, args.prompts_list, length, backend=dict(scheduling="rounds"),
+                **options),
         partial(timed_rollouts, *setup_, args.prompts_list, length, backend=dict(scheduling="continuous"),
                 **options))
-    return dict(length=length, rollouts=len(rounds), tokens=tokens, rounds_s=rounds_s, continuous_s=continuous_s,
-                speedup=rounds_s / continuous_s, same_tokens=same_tokens(continuous, rounds))
+    return dict(length=length, rollouts=len(rounds), tokens=tokens, rounds_s=rounds_s,
+                continuous_s=continuous_s, speedup=rounds_s / continuous_s,
+                same_tokens=same_tokens(continuous, rounds))
 
 
-def shared_vs_own_prompts(setup_, args) -> list[dict]:
+def shared_vs_own_prompts(setup_: tuple[Any, Any, TagIds], args) -> list[dict]:
     model, tokenizer, _ = setup_
     questions = [f"{q} (problem {n})" for n in range(4) for q in QUESTIONS][:args.share_prompts]
     many = [tokenizer(render_prompt(tokenizer, q), add_special_tokens=False)["input_ids"] for q in questions]
@@ -244,9 +256,9 @@ def print_table(columns, rows) -> None:
 
 def print_forking(rows, args) -> None:
     print(f"1. exact Unseen, KV forking vs re-prefill ({args.rollouts} rollouts, 4 blocks x 2 paths)")
-    print_table([("tokens", 8, "length", ""), ("blocks", 8, "blocks", ""), ("re-prefill s", 14, "reprefill_s", ".2f"),
-                 ("forked s", 10, "forked_s", ".2f"), ("speed-up", 10, "speedup", ".2f"),
-                 ("same tokens", 13, "same_tokens", "")], rows)
+    print_table([("tokens", 8, "length", ""), ("blocks", 8, "blocks", ""),
+                 ("re-prefill s", 14, "reprefill_s", ".2f"), ("forked s", 10, "forked_s", ".2f"),
+                 ("speed-up", 10, "speedup", ".2f"), ("same tokens", 13, "same_tokens", "")], rows)
 
 
 def print_plain(r, args) -> None:
@@ -270,10 +282,11 @@ def print_continuous(r, args) -> None:
 
 
 def print_shared(rows, args) -> None:
-    print(f"\n5. prompts sharing their common prefix vs each encoding its own, {args.share_length} tokens each")
+    print(f"\n5. prompts sharing their common prefix vs each encoding its own, "
+          f"{args.share_length} tokens each")
     print_table([("rollouts", 10, "rollouts", ""), ("prompt tokens", 15, "prompt_tokens", ""),
-                 ("own s", 9, "own_s", ".2f"), ("shared s", 10, "shared_s", ".2f"), ("speed-up", 10, "speedup", ".2f"),
-                 ("same tokens", 13, "same_tokens", "")], rows)
+                 ("own s", 9, "own_s", ".2f"), ("shared s", 10, "shared_s", ".2f"),
+                 ("speed-up", 10, "speedup", ".2f"), ("same tokens", 13, "same_tokens", "")], rows)
 
 
 SECTIONS = {"forking_vs_reprefill": (forking_vs_reprefill, print_forking),
@@ -293,9 +306,10 @@ def main() -> None:
     parser.add_argument("--share-prompts", type=int, default=16, help="different prompts for 5 (at most 16)")
     parser.add_argument("--share-length", type=int, default=64)
     parser.add_argument("--model", default=None,
-                        help="a model folder with the tags (e.g. models/base of the small profile: SmolLM2-135M, "
-                             "30 layers, where re-encoding costs what it does in a real model); default: the tiny "
-                             "random-init Qwen3, whose 152k-token LM head dominates every step")
+                        help="a model folder with the tags (e.g. models/base of the small profile: "
+                             "SmolLM2-135M, 30 layers, where re-encoding costs what it does in a real "
+                             "model); default: the tiny random-init Qwen3, whose 152k-token LM head "
+                             "dominates every step")
     parser.add_argument("--repeats", type=int, default=2,
                         help="runs of each side, alternating; each side's fastest counts (shared machines)")
     parser.add_argument("--only", nargs="+", choices=list(SECTIONS), default=list(SECTIONS),

@@ -70,7 +70,7 @@ def main() -> None:
     args = parser.parse_args()
     with open(GSM8K_TEST, encoding="utf-8") as source:
         rows = [dict(json.loads(line), answer_kind="gsm8k", dataset="gsm8k_test")
-                for _, line in zip(range(4 * args.prompts), source)]
+                for _, line in zip(range(4 * args.prompts), source, strict=False)]
     with tempfile.TemporaryDirectory(prefix="rl_step_model_") as folder:
         fork_prone_model(folder, args.tag_scale)
         results = [run_split(variant, folder, rows, args) for variant in args.variants]

@@ -2,9 +2,10 @@
 
 A tiny random-init Qwen3 (the project's tiny profile size, real 152k Qwen3 vocabulary) answers
 GSM8K test questions rendered with the Parallel Thinking prompt, `--generations` rollouts each,
-through the fork loop (parallel=True; `--plain` for plain generation). A random model almost never writes `<Parallel>`, so the
-`<Parallel>`, `</Path>` and `</Summary>` embedding rows are scaled by `--tag-scale` to make it
-fork, and blocks/rollout is printed: the runs exercise the forks, not just plain decoding.
+through the fork loop (parallel=True; `--plain` for plain generation). A random model almost
+never writes `<Parallel>`, so the `<Parallel>`, `</Path>` and `</Summary>` embedding rows are
+scaled by `--tag-scale` to make it fork, and blocks/rollout is printed: the runs exercise the
+forks, not just plain decoding.
 
 tok/s counts every completion token (main text, all paths, summaries, inserted tags) per second
 of `generate`; vLLM's engine start-up is timed apart. Each backend runs once untimed (warm-up),
@@ -27,16 +28,17 @@ import os
 import sys
 import tempfile
 import time
+from typing import cast
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from parallel_r1.engine import RolloutConfig, make_engine, vllm_available  # noqa: E402
+from parallel_r1.engine import EngineKind, RolloutConfig, make_engine, vllm_available  # noqa: E402
 from parallel_r1.models import TinyModelConfig, build_tiny_model, load_tokenizer, qwen3_tokenizer_dir  # noqa: E402
 from parallel_r1.prompts import render_prompt  # noqa: E402
 from parallel_r1.structure import TagIds  # noqa: E402
 
-GSM8K_TEST = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.pardir, "shared", "data",
-                          "gsm8k", "test.jsonl")
+GSM8K_TEST = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.pardir, "shared",
+                          "data", "gsm8k", "test.jsonl")
 
 
 def fork_prone_model(folder: str, tag_scale: float):
@@ -58,7 +60,8 @@ def measure(kind: str, folder: str, tokenizer, prompt_ids, args) -> dict:
     config = RolloutConfig(parallel=not args.plain, max_tokens=args.max_tokens, temperature=1.0, seed=0)
     started = time.perf_counter()
     scheduling = {"vllm": "continuous", "vllm-rounds": "rounds"}.get(kind)  # transformers: its default (auto)
-    engine = make_engine(kind.split("-")[0], folder, tokenizer, config, dtype="float32", scheduling=scheduling)
+    engine = make_engine(cast(EngineKind, kind.split("-")[0]), folder, tokenizer, config, dtype="float32",
+                         scheduling=scheduling)
     startup = time.perf_counter() - started
     try:
         engine.generate(prompt_ids[:2], 1)  # warm-up
@@ -87,14 +90,16 @@ def main() -> None:
     args = parser.parse_args()
     backends = [b for b in args.backends if not b.startswith("vllm") or vllm_available()]
     with open(args.data, encoding="utf-8") as source:
-        questions = [json.loads(line)["question"] for _, line in zip(range(args.prompts), source)]
+        questions = [json.loads(line)["question"]
+                     for _, line in zip(range(args.prompts), source, strict=False)]
     with tempfile.TemporaryDirectory(prefix="rollout_bench_") as folder:
         tokenizer = fork_prone_model(folder, args.tag_scale)
-        prompt_ids = [tokenizer(render_prompt(tokenizer, q), add_special_tokens=False)["input_ids"] for q in questions]
+        prompt_ids = [tokenizer(render_prompt(tokenizer, q), add_special_tokens=False)["input_ids"]
+                      for q in questions]
         results = [measure(kind, folder, tokenizer, prompt_ids, args) for kind in backends]
-    print(f"rollout throughput: tiny Qwen3 {TinyModelConfig()}, vocab {len(tokenizer)}; {len(questions)} GSM8K "
-          f"prompts x {args.generations} generations, max {args.max_tokens} tokens, parallel={not args.plain}, "
-          f"tag scale {args.tag_scale}")
+    print(f"rollout throughput: tiny Qwen3 {TinyModelConfig()}, vocab {len(tokenizer)}; "
+          f"{len(questions)} GSM8K prompts x {args.generations} generations, max {args.max_tokens} tokens, "
+          f"parallel={not args.plain}, tag scale {args.tag_scale}")
     print(f"{'backend':<13}{'start s':>9}{'gen s':>9}{'tokens':>8}{'sampled':>9}{'tok/s':>9}"
           f"{'blocks/rollout':>16}{'vs transformers':>17}")
     baseline = next((r["tokens_per_s"] for r in results if r["backend"] == "transformers"), None)

@@ -132,6 +132,7 @@ def step(model, ids: torch.Tensor, variant: str, tags: TagIds) -> float:
 
 def measure(model, ids, variants, tags, warmup: int, repeats: int, device: str) -> dict:
     """Median ms, build ms and peak MiB per variant; variants take turns every repeat."""
+    results: dict[str, str | tuple[float, float, float]]
     results, runnable = {}, []
     for variant in variants:
         model.set_attn_implementation("sdpa" if variant in ("causal", "dense") else "flex_attention")
@@ -142,7 +143,8 @@ def measure(model, ids, variants, tags, warmup: int, repeats: int, device: str) 
             runnable.append(variant)
         except Exception as error:  # a backend this machine cannot run is reported, not fatal
             results[variant] = f"skipped: {type(error).__name__}: {str(error).splitlines()[0][:80]}"
-    samples = {variant: ([], [], []) for variant in runnable}
+    samples: dict[str, tuple[list[float], list[float], list[float]]] = {variant: ([], [], [])
+                                                                         for variant in runnable}
     for _ in range(repeats):
         for variant in runnable:
             model.set_attn_implementation("sdpa" if variant in ("causal", "dense") else "flex_attention")
@@ -189,17 +191,22 @@ def main(argv=None) -> None:
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model = build_model(args.size, args.device, dtype)
     vocab = model.config.vocab_size
-    tags = TagIds(*range(vocab - 267, vocab - 261)) if args.size == "4b" else TagIds(*range(vocab - 10, vocab - 4))
+    tags = (TagIds(*range(vocab - 267, vocab - 261)) if args.size == "4b"
+            else TagIds(*range(vocab - 10, vocab - 4)))
     memory_note = ("torch.cuda.max_memory_allocated - allocated before the step" if args.device == "cuda"
-                   else "peak RSS (/proc/self/statm every 1 ms, glibc mmap threshold 64 KiB) - RSS before the step")
+                   else "peak RSS (/proc/self/statm every 1 ms, glibc mmap threshold 64 KiB) "
+                        "- RSS before the step")
     print(f"torch {torch.__version__}, size {args.size}, device {args.device}, dtype {dtype}, "
-          f"threads {torch.get_num_threads()}, batch {args.batch}, median of {args.repeats} after {args.warmup} warm-up; memory: {memory_note}")
+          f"threads {torch.get_num_threads()}, batch {args.batch}, median of {args.repeats} after "
+          f"{args.warmup} warm-up; memory: {memory_note}")
     generator = torch.Generator().manual_seed(0)
-    header = f"{'seq_len':>7}  {'variant':<11} {'ms':>9} {'ratio':>6} {'build ms':>9} {'peak MiB':>9} {'+MiB vs causal':>15}"
+    header = (f"{'seq_len':>7}  {'variant':<11} {'ms':>9} {'ratio':>6} {'build ms':>9} {'peak MiB':>9} "
+              f"{'+MiB vs causal':>15}")
     print(header)
     print("-" * len(header))
     for length in args.seq_lens:
-        ids = torch.tensor([layout(length, vocab, tags, generator) for _ in range(args.batch)], device=args.device)
+        ids = torch.tensor([layout(length, vocab, tags, generator) for _ in range(args.batch)],
+                           device=args.device)
         results = measure(model, ids, args.variants, tags, args.warmup, args.repeats, args.device)
         base = results.get("causal") if isinstance(results.get("causal"), tuple) else None
         for variant in args.variants:
@@ -210,8 +217,8 @@ def main(argv=None) -> None:
             ms, build_ms, mib = result
             ratio = f"{ms / base[0]:.2f}" if base else "n/a"
             extra = f"{mib - base[2]:+.1f}" if base else "n/a"
-            print(f"{length:>7}  {variant:<11} {ms:>9.1f} {ratio:>6} {build_ms:>9.1f} {mib:>9.1f} {extra:>15}",
-                  flush=True)
+            print(f"{length:>7}  {variant:<11} {ms:>9.1f} {ratio:>6} {build_ms:>9.1f} {mib:>9.1f} "
+                  f"{extra:>15}", flush=True)
 
 if __name__ == "__main__":
     main()

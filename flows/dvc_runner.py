@@ -92,8 +92,10 @@ def run_dvc(args: list[str], cwd: str | os.PathLike = ".", env: Mapping[str, str
     command = [sys.executable, "-m", "dvc", *args]
     lines: deque[str] = deque(maxlen=400)
     # Own process group: a cancelled flow run stops DVC *and* the stage command it started.
-    with subprocess.Popen(command, cwd=cwd, env=dvc_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          stdin=subprocess.DEVNULL, text=True, errors="replace", start_new_session=True) as proc:
+    with subprocess.Popen(command, cwd=cwd, env=dvc_env(env), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, errors="replace",
+                          start_new_session=True) as proc:
+        assert proc.stdout is not None  # stdout=PIPE
         try:
             for raw in proc.stdout:
                 line = raw.rstrip("\n")

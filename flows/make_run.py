@@ -39,8 +39,9 @@ def _make_run(args: list[str], root: Path) -> None:
     params = load_params(root / "params.yaml")
     edited = profiles.edits(root)
     if edited:  # kept, as DVC would; said, so a result is never silently from a hand-edited profile
-        print(f"note: params.yaml differs from conf/profile/{params['profile']}.yaml at {', '.join(edited[:3])}"
-              f"{' ...' if len(edited) > 3 else ''}; running with params.yaml as it is", flush=True)
+        print(f"note: params.yaml differs from conf/profile/{params['profile']}.yaml at "
+              f"{', '.join(edited[:3])}{' ...' if len(edited) > 3 else ''}; "
+              "running with params.yaml as it is", flush=True)
     targets = [arg for arg in args if not arg.startswith("-")]
     tags = {"flow": FLOW_TAG, tracking.TAG_PROFILE: params["profile"]}
     run_params = {"tracking": params.get("tracking") or {}, "dvc_repro_args": args}

@@ -88,7 +88,8 @@ def reproduce(targets: list[str] = [], profile: str | None = None, force: bool =
     stages = plan_stages(targets, root)
     get_run_logger().info("plan (%s): %s", params["profile"], ", ".join(stages))
     name = f"reproduce@{','.join(targets) or 'all'}"
-    run_tags = {"flow": "reproduce", "prefect_flow_run_id": flow_run.get_id(), tracking.TAG_PROFILE: params["profile"]}
+    run_tags = {"flow": "reproduce", "prefect_flow_run_id": flow_run.get_id(),
+                tracking.TAG_PROFILE: params["profile"]}
     outcome: dict[str, str] = {}
     started = time.monotonic()
     with tracking.parent_run(name, params={"tracking": params.get("tracking") or {}, "targets": targets,

@@ -30,6 +30,7 @@ import itertools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
@@ -71,10 +72,12 @@ def plan_sweep(configurations: list[str], reward_schedules: list[str], seeds: li
     if not configurations and target is None:
         raise PipelineError("sweep: give configurations (rl_runs names) or a target stage")
     if reward_schedules and not configurations:
-        raise PipelineError("sweep: reward_schedules need configurations (they set rl_runs.<configuration>.reward)")
+        raise PipelineError("sweep: reward_schedules need configurations "
+                            "(they set rl_runs.<configuration>.reward)")
     grid_axes = [[(key, str(value)) for value in values] for key, values in grid.items()]
     experiments = []
-    combos = itertools.product(configurations or [None], reward_schedules or [None], seeds or [None],
+    unset: list[None] = [None]
+    combos = itertools.product(configurations or unset, reward_schedules or unset, seeds or unset,
                                itertools.product(*grid_axes))
     for index, (configuration, schedule, seed, grid_items) in enumerate(combos, start=1):
         overrides = [f"profile={profile}"]
@@ -103,7 +106,8 @@ def check_names(params: dict, configurations: list[str], reward_schedules: list[
             raise PipelineError(f"params.yaml rl_runs: no configuration {name!r} (known: {', '.join(known)})")
     for name in reward_schedules:
         if name not in REWARDS:
-            raise PipelineError(f"sweep reward_schedules: unknown schedule {name!r} (known: {', '.join(REWARDS)})")
+            raise PipelineError(f"sweep reward_schedules: unknown schedule {name!r} "
+                                f"(known: {', '.join(REWARDS)})")
 
 
 @task(name="dvc-experiment", task_run_name="{experiment.name}", retries=2, retry_delay_seconds=10,
@@ -114,7 +118,8 @@ def run_experiment(experiment: Experiment, run_id: str | None, root: str) -> Non
     for override in experiment.overrides:
         args += ["--set-param", override]
     try:
-        run_dvc([*args, experiment.target], cwd=root, env=tracking.child_env(run_id), echo=get_run_logger().info)
+        run_dvc([*args, experiment.target], cwd=root, env=tracking.child_env(run_id),
+                echo=get_run_logger().info)
     except DvcCommandError as err:
         raise type(err)(f"experiment {experiment.name}: {err}") from None
 
@@ -241,7 +246,7 @@ def _row(experiment: Experiment, state: str, mlflow_run_id: str) -> dict:
 
 
 def _experiment_metrics(root: Path, names: list[str]) -> dict[str, dict[str, float]]:
-    return experiment_metrics(dvc_json(["exp", "show", "--json"], cwd=root), names)
+    return experiment_metrics(cast("list[dict]", dvc_json(["exp", "show", "--json"], cwd=root)), names)
 
 
 def _publish(rows: list[dict], sweep_id: str, sweep_run: str | None) -> None:

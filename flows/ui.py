@@ -13,6 +13,7 @@ works: Prefect starts an ephemeral API per flow run and MLflow writes to mlflow.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -73,7 +74,8 @@ def mlflow_server_command(port: int, root: Path) -> list[str]:
 def server_env(root: Path, prefect_port: int | None = None, mlflow_port: int | None = None) -> dict[str, str]:
     """os.environ with the project's Prefect home and, when given, the two servers' addresses."""
     env = dict(os.environ, PREFECT_HOME=str(root / ".prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               DO_NOT_TRACK="1", PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+               DO_NOT_TRACK="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
     if prefect_port:
         env["PREFECT_API_URL"] = f"http://{HOST}:{prefect_port}/api"
     if mlflow_port:
@@ -99,6 +101,7 @@ def start(name: str, command: list[str], env: dict[str, str], cwd: Path, health_
 
 def wait_healthy(service: Service, timeout: float = START_TIMEOUT_S) -> float:
     """Seconds until `service.health_url` answers 200; one-line error if it dies or times out."""
+    assert service.health_url is not None, f"{service.name} has no health URL to wait on"
     started = time.monotonic()
     while time.monotonic() - started < timeout:
         if service.process.poll() is not None:
@@ -118,10 +121,8 @@ def stop(services: list[Service], timeout: float = 20.0) -> None:
     """Stop services in the given order: SIGTERM the process group, wait, SIGKILL what is left."""
     for service in services:
         _signal_group(service.process, signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             service.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pass
         _signal_group(service.process, signal.SIGKILL)
         service.process.wait()
 
@@ -194,8 +195,9 @@ def main() -> None:
         services.append(start("Prefect server", prefect_server_command(prefect_port),
                               prefect_server_env(root, prefect_port), root,
                               f"http://{HOST}:{prefect_port}/api/health", logs / "prefect-server.log"))
-        services.append(start("MLflow server", mlflow_server_command(mlflow_port, root), mlflow_server_env(root),
-                              root, f"http://{HOST}:{mlflow_port}/health", logs / "mlflow-server.log"))
+        services.append(start("MLflow server", mlflow_server_command(mlflow_port, root),
+                              mlflow_server_env(root), root, f"http://{HOST}:{mlflow_port}/health",
+                              logs / "mlflow-server.log"))
         for service in services:  # both start at once: each line is its own start-up time
             wait_healthy(service)
             print(f"{service.name} healthy {time.monotonic() - launched:.1f} s after launch", flush=True)
@@ -224,10 +226,8 @@ def _interrupt(signum, frame) -> None:
 
 
 def _signal_group(process: subprocess.Popen, signum: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signum)
-    except ProcessLookupError:
-        pass
 
 
 def _last_line(path: Path | None) -> str:

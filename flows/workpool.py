@@ -143,6 +143,7 @@ def wait(flow_run_ids: list, echo=print, poll_s: float = POLL_S, on_final=None) 
     `on_final(run)`, called once per run as it ends, may return a new flow run to wait for as well
     (a relaunch); each state change is echoed.
     """
+    reported: dict[Any, str]
     waiting, done, reported = list(flow_run_ids), {}, {}
     while waiting:
         for run in poll(waiting):

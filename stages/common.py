@@ -46,6 +46,7 @@ def _anchor_mirror(params: dict[str, Any]) -> None:
     data = params.get("data")
     mirror = data.get("mirror_dir") if isinstance(data, dict) else None
     if mirror and not os.path.isabs(mirror):
+        assert isinstance(data, dict)  # mirror is set only when it is
         root = Path(os.environ.get("DVC_ROOT") or ".")
         data["mirror_dir"] = str((root / mirror).resolve())
         link_mirror_for_temp_experiments(root, mirror)

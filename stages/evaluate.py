@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from parallel_r1 import generation, tracking
 from parallel_r1.engine import RolloutConfig, engine_for_variant, make_engine, resolve_engine
@@ -36,11 +37,14 @@ from parallel_r1.io import publish_together, read_json, read_jsonl, write_json
 from parallel_r1.models import check_model_dir, load_tokenizer, runs_in_bf16
 from stages.common import load_params, log, section, stage_main
 
+if TYPE_CHECKING:
+    from parallel_r1.prompts import PromptStyle
+
 PROBLEM_FIELDS = ("id", "question", "ground_truth", "answer_kind")
 PARTIAL_DIR = Path("data/partial/eval")   # not under data/samples: DVC empties a stage's outs first
 
 
-def rollout_mode(model: str) -> tuple[str, bool, bool]:
+def rollout_mode(model: str) -> tuple[PromptStyle, bool, bool]:
     """(prompt style, structured attention, parallel forking) the model was trained with.
 
     An RL model carries it in models/<run>/rollout.json (written by rl@<run>), so the evaluation

@@ -110,9 +110,9 @@ def build(report: str, params: dict) -> Path:
         from parallel_r1 import reward_schedule_report as schedules
 
         folders = {run: METRICS / "rl" / run for run in options.reward_schedule_runs}
-        runs = {run: (read_json(folder / "summary.json"), read_json(folder / "steps.json"))
-                for run, folder in folders.items()}
-        schedules.write_report(schedules.runs_from_metrics(runs), out, out.with_suffix(".png"),
+        schedule_runs = {run: (read_json(folder / "summary.json"), read_json(folder / "steps.json"))
+                         for run, folder in folders.items()}
+        schedules.write_report(schedules.runs_from_metrics(schedule_runs), out, out.with_suffix(".png"),
                                source="metrics/rl/<run>/steps.json")
     return out
 

@@ -73,7 +73,7 @@ def rl_options(params: dict, run: str) -> RLOptions:
     layers = {f"params.yaml rl_runs.{run}": (entry, (*RUN_KEYS, *RUN_OVERRIDES)),
               f"params.yaml rl_datasets.{dataset}": (datasets[dataset] or {}, DATASET_KEYS),
               "params.yaml rl": (section(params, "rl"), SHARED_KEYS)}
-    origins = {}
+    origins: dict[str, str] = {}
     for where, (values, allowed) in layers.items():
         unknown = sorted(set(values) - set(allowed))
         if unknown:
@@ -174,6 +174,7 @@ def main(argv: list[str] | None = None) -> None:
         key = run_memo.run_key(options, rows, init_dir, rewards, dtype)
         reused = run_memo.reuse(key, model_dir) if key is not None else None
         if reused is not None:
+            assert key is not None  # reuse is looked up only with a key
             history = reused["history"]
             summary = reuse_summary(run, options, params["profile"], reused, started)
             replay_log_history(reused["log_history"])

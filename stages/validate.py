@@ -16,23 +16,24 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import cast
 
 from parallel_r1 import tracking
 from parallel_r1.config import from_mapping
 from parallel_r1.errors import PipelineError
 from parallel_r1.io import read_jsonl
-from parallel_r1.validation import KINDS, ValidationConfig, validate_dataset, write_reports
+from parallel_r1.validation import KINDS, Kind, ValidationConfig, validate_dataset, write_reports
 from stages.common import load_params, log, stage_main
 
 DATA_DIR = Path("data")
 REPORT_DIR = Path("reports/validation")
 
 
-def kind_of(path: Path) -> str:
+def kind_of(path: Path) -> Kind:
     """The dataset kind of `path`: the name of its nearest parent folder that is a kind."""
     for parent in path.parents:
         if parent.name in KINDS:
-            return parent.name
+            return cast(Kind, parent.name)
     raise PipelineError(f"{path}: cannot tell its dataset kind; put it under a folder named one of "
                         f"{', '.join(KINDS)} (as data/<kind>/<name>.jsonl)")
 
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     params = load_params()
     config = from_mapping(ValidationConfig, params.get("validate"), "params.yaml validate")
 
+    names: dict[str, Path]
     reports, names = [], {}
     for path in dataset_paths(args.paths):
         kind = kind_of(path)

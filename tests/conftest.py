@@ -1,4 +1,5 @@
-"""Shared fixtures: where the data mirror is, and the real Qwen3 tokenizer (with the tags) once per session."""
+"""Shared fixtures: where the data mirror is, and the real Qwen3 tokenizer (with the tags) once per
+session."""
 
 from __future__ import annotations
 
@@ -26,13 +27,13 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
 
 # Test files, longest first (setup + calls under `make test` on a 2-core machine; the per-file times are in
-# docs/benchmarks.md, "CI"). `make test` passes `--no-loadscope-reorder`, so pytest-xdist hands whole files to the
-# workers in this order: the long ones start first and the short ones fill in at the end, instead of xdist's
-# default (files with the most tests first) leaving one worker alone on a long file at the end.
+# docs/benchmarks.md, "CI"). `make test` passes `--no-loadscope-reorder`, so pytest-xdist hands whole files to
+# the workers in this order: the long ones start first and the short ones fill in at the end, instead of
+# xdist's default (files with the most tests first) leaving one worker alone on a long file at the end.
 LONGEST_FIRST = ("test_scale_out", "test_multiprocess", "test_sft", "test_flows", "test_ui_browser",
-                 "test_grpo_vllm", "test_grpo", "test_engine", "test_small_model", "test_pipeline_foundation",
-                 "test_paper_path", "test_kv_forking", "test_evaluate_stage", "test_checkpoints", "test_lockstep",
-                 "test_dvc_deps")
+                 "test_grpo_vllm", "test_grpo", "test_engine", "test_small_model",
+                 "test_pipeline_foundation", "test_paper_path", "test_kv_forking", "test_evaluate_stage",
+                 "test_checkpoints", "test_lockstep", "test_dvc_deps")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -149,8 +150,9 @@ def one_line_error(main, capsys, *args) -> str:
 
 def teacher_row(**changes) -> dict:
     """A valid teacher-output record (one well-formed block, numeric answer), `changes` laid over it."""
-    row = {"id": "g-1", "question": "q", "ground_truth": "3", "answer_kind": "gsm8k", "dataset": "gsm8k_train",
-           "prompt": "p", "completion": "<Parallel><Path>a</Path><Path>b</Path></Parallel><Summary>s</Summary>\n"
+    row = {"id": "g-1", "question": "q", "ground_truth": "3", "answer_kind": "gsm8k",
+           "dataset": "gsm8k_train", "prompt": "p",
+           "completion": "<Parallel><Path>a</Path><Path>b</Path></Parallel><Summary>s</Summary>\n"
            "Final Answer: 3", "source": "model", "model": "m", "completion_tokens": 20, "truncated": False}
     return {**row, **changes}
 

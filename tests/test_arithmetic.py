@@ -22,9 +22,9 @@ LEVELS = {name: ArithmeticLevel(**{**spec, "operations": tuple(spec["operations"
 def solve(question: str) -> int:
     """The answer read back from the question text alone: the opening count, then each sentence's verb."""
     sentences = [s for s in re.split(r"(?<=[.?])\s+", question) if s]
-    total = int(re.search(r"\d+", sentences[0]).group())
+    total = int(re.search(r"\d+", sentences[0]).group())  # type: ignore[union-attr]
     for sentence in sentences[1:-1]:
-        number = int(re.search(r"\d+", sentence).group())
+        number = int(re.search(r"\d+", sentence).group())  # type: ignore[union-attr]
         total += -number if " gives " in sentence else number
     return total
 
@@ -116,7 +116,8 @@ def test_a_bad_arithmetic_param_is_named_in_one_line(tmp_path, monkeypatch, caps
     ("data.arithmetic.heldout", "100000",
      "error: params.yaml data.arithmetic.heldout: 100000 questions must be >= 1 and leave some of level "
      "'easy''s 2304 for training"),
-    ("data.arithmetic.seed", "x", "error: params.yaml data.arithmetic.seed: must be an integer >= 0, got 'x'"),
+    ("data.arithmetic.seed", "x",
+     "error: params.yaml data.arithmetic.seed: must be an integer >= 0, got 'x'"),
 ])
 def test_a_bad_split_param_is_named_in_one_line(tmp_path, monkeypatch, capsys, param, value, message):
     from stages.prepare_data import main

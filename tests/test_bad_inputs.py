@@ -8,8 +8,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import one_line_error, teacher_row, write_teacher
 
+from conftest import one_line_error, teacher_row, write_teacher
 from parallel_r1.errors import PipelineError
 from parallel_r1.io import read_json, read_jsonl
 from parallel_r1.models import check_model_dir, load_tokenizer, qwen3_tokenizer_dir
@@ -161,7 +161,6 @@ def test_reward_param_errors_name_the_param_path(key, value, message):
 
 def test_unknown_reward_schedule_names_the_run_param(workdir, capsys):
     from conftest import set_param
-
     from stages.rl import main
 
     set_param(workdir / "params.yaml", "rl_runs.grpo_gsm8k.reward", "kindness")
@@ -192,19 +191,24 @@ def edited_copy(source: Path, folder: Path, **config_changes) -> Path:
 
 
 MISMATCH = "config.json does not match the weights: tensor "
-ONE_MORE, ONE_LESS = {"num_hidden_layers": lambda n: n + 1, "layer_types": lambda types: types + types[-1:]}, \
-    {"num_hidden_layers": lambda n: n - 1, "layer_types": lambda types: types[:-1]}
+ONE_MORE, ONE_LESS = (
+    {"num_hidden_layers": lambda n: n + 1, "layer_types": lambda types: types + types[-1:]},
+    {"num_hidden_layers": lambda n: n - 1, "layer_types": lambda types: types[:-1]})
 
 
 @pytest.mark.parametrize("change, message", [
-    (ONE_MORE, MISMATCH + "model.layers.2.input_layernorm.weight and 10 more missing in the safetensors files"),
-    (ONE_LESS, MISMATCH + "model.layers.1.input_layernorm.weight and 10 more unexpected in the safetensors files"),
+    (ONE_MORE, MISMATCH + "model.layers.2.input_layernorm.weight and 10 more missing "
+                          "in the safetensors files"),
+    (ONE_LESS, MISMATCH + "model.layers.1.input_layernorm.weight and 10 more unexpected "
+                          "in the safetensors files"),
     ({"intermediate_size": lambda n: n * 2},
-     MISMATCH + "model.layers.0.mlp.down_proj.weight and 5 more with a different shape in the safetensors files"),
+     MISMATCH + "model.layers.0.mlp.down_proj.weight and 5 more with a different shape "
+                "in the safetensors files"),
     ({"num_hidden_layers": lambda n: n + 1},   # the config contradicts itself
      "cannot load model (`num_hidden_layers` (3) must be equal to the number of `layer_types` (2))"),
 ])
-def test_tiny_model_whose_config_does_not_match_its_weights_is_refused(tiny_model_dir, tmp_path, change, message):
+def test_tiny_model_whose_config_does_not_match_its_weights_is_refused(tiny_model_dir, tmp_path, change,
+                                                                       message):
     """Used to load with the missing layer at random (transformers' "newly initialized" table only)."""
     from parallel_r1.models import load_model
 
@@ -216,10 +220,13 @@ def test_tiny_model_whose_config_does_not_match_its_weights_is_refused(tiny_mode
 
 
 @pytest.mark.parametrize("change, message", [
-    (ONE_MORE, MISMATCH + "model.layers.2.input_layernorm.weight and 10 more missing in the safetensors files"),
-    (ONE_LESS, MISMATCH + "model.layers.1.input_layernorm.weight and 10 more unexpected in the safetensors files"),
+    (ONE_MORE, MISMATCH + "model.layers.2.input_layernorm.weight and 10 more missing "
+                          "in the safetensors files"),
+    (ONE_LESS, MISMATCH + "model.layers.1.input_layernorm.weight and 10 more unexpected "
+                          "in the safetensors files"),
     ({"intermediate_size": lambda n: n * 2},
-     MISMATCH + "model.layers.0.mlp.down_proj.weight and 5 more with a different shape in the safetensors files"),
+     MISMATCH + "model.layers.0.mlp.down_proj.weight and 5 more with a different shape "
+                "in the safetensors files"),
 ])
 def test_mismatch_is_found_without_loading_for_the_vllm_engine(tiny_model_dir, tmp_path, change, message):
     from parallel_r1.models import check_weights_match_config
@@ -234,7 +241,6 @@ def test_mismatch_is_found_without_loading_for_the_vllm_engine(tiny_model_dir, t
 def test_unknown_rl_init_is_named_by_its_param_path(workdir, capsys):
     """Used to say `models/nope_model: model folder not found`."""
     from conftest import set_param
-
     from stages.rl import main
 
     set_param(workdir / "params.yaml", "rl_runs.grpo_gsm8k.init", "nope_model")
@@ -243,5 +249,5 @@ def test_unknown_rl_init_is_named_by_its_param_path(workdir, capsys):
                            "models/nope_model not found (known: base, sft_seen, sft_unseen, ")
     set_param(workdir / "params.yaml", "rl_runs.grpo_gsm8k.init", "sft_seen")
     line = one_line_error(main, capsys, ["grpo_gsm8k"])
-    assert line.startswith("error: params.yaml rl_runs.grpo_gsm8k.init: 'sft_seen' is not written yet (run its "
-                           "stage first): models/sft_seen not found (known: ")
+    assert line.startswith("error: params.yaml rl_runs.grpo_gsm8k.init: 'sft_seen' is not written yet "
+                           "(run its stage first): models/sft_seen not found (known: ")

@@ -10,8 +10,8 @@ from parallel_r1.data import PROBLEM_SETS, load_problems, load_teacher_demos
 from parallel_r1.errors import PipelineError
 from parallel_r1.io import read_jsonl
 
-EXPECTED_ROWS = {"gsm8k_train": 7473, "gsm8k_train_released": 300, "gsm8k_test": 1319, "dapo": 17917, "aime24": 30, "aime25": 30,
-                 "amc23": 40, "math": 316, "math500": 500}
+EXPECTED_ROWS = {"gsm8k_train": 7473, "gsm8k_train_released": 300, "gsm8k_test": 1319, "dapo": 17917,
+                 "aime24": 30, "aime25": 30, "amc23": 40, "math": 316, "math500": 500}
 
 
 @pytest.mark.parametrize("name", sorted(PROBLEM_SETS))
@@ -75,7 +75,8 @@ def test_unknown_dataset_and_missing_fields(tmp_path, monkeypatch):
         load_problems("nope", tmp_path)
     (tmp_path / "eval").mkdir()
     (tmp_path / "eval" / "aime24.jsonl").write_text(json.dumps({"id": "x", "problem": "q"}) + "\n")
-    with pytest.raises(PipelineError, match=r"aime24.jsonl:1: dataset aime24, id x: missing field ground_truth"):
+    with pytest.raises(PipelineError,
+                       match=r"aime24.jsonl:1: dataset aime24, id x: missing field ground_truth"):
         load_problems("aime24", tmp_path)
 
 
@@ -90,9 +91,10 @@ def test_truncated_and_empty_files_fail_with_the_line(tmp_path):
 
 
 def test_a_json_error_says_where_on_the_line_in_a_whole_sentence(tmp_path):
-    """json's message for a raw control character is "Invalid control character at": the column completes it."""
+    """json's message for a raw control character is "Invalid control character at": the column completes
+    it."""
     path = tmp_path / "rows.jsonl"
     path.write_text('{"a": 1}\n{"question": "two\tcolumns"}\n')
-    with pytest.raises(PipelineError, match=r"rows.jsonl:2: not valid JSON \(Invalid control character at column 18\); "
-                                            r"truncated file\?$"):
+    with pytest.raises(PipelineError, match=r"rows.jsonl:2: not valid JSON "
+                                            r"\(Invalid control character at column 18\); truncated file\?$"):
         read_jsonl(path)

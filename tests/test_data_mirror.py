@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import yaml
-from conftest import copy_repo
 
+from conftest import copy_repo
 from parallel_r1.data import SOURCES, TEACHER_DEMOS, mirror_files
 from stages.common import link_mirror_for_temp_experiments
 from stages.profiles import compose, profile_names

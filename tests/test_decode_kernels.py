@@ -33,8 +33,9 @@ BLOCK = ("Step one. <Parallel><Path>2 + 2 = 4</Path><Path>two twos make 4</Path>
 def grouped_models():
     """A float64 tiny model with 4 query heads per KV head, as "sdpa" and as "sdpa_gqa"."""
     tokenizer = load_tokenizer(qwen3_tokenizer_dir())
-    model = build_tiny_model(tokenizer, TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                                        num_attention_heads=4, num_key_value_heads=1, head_dim=16))
+    model = build_tiny_model(tokenizer, TinyModelConfig(hidden_size=64, intermediate_size=128,
+                                                        num_hidden_layers=2, num_attention_heads=4,
+                                                        num_key_value_heads=1, head_dim=16))
     model = redraw_layer_weights(model).double().eval()
     grouped = copy.deepcopy(model)
     use_gqa_sdpa(grouped)
@@ -58,7 +59,8 @@ def test_gqa_sdpa_gives_sdpa_logits_under_padding_structure_and_cache():
         steps = []
         for net in (model, grouped):
             out = net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=True)
-            mask = torch.cat([batch["attention_mask"], torch.ones_like(batch["attention_mask"][:, :1])], dim=1)
+            mask = torch.cat([batch["attention_mask"], torch.ones_like(batch["attention_mask"][:, :1])],
+                             dim=1)
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
             steps.append(net(input_ids=nxt, attention_mask=mask, past_key_values=out.past_key_values,
                              use_cache=True).logits)
@@ -73,7 +75,8 @@ def test_grouped_decode_attention_is_attention_under_every_mask_kind(mask_kind):
     allowed = torch.rand(5, 1, 1, 40, generator=generator) > 0.3
     allowed[..., -1] = True  # a decoding row always sees its own column
     mask = {"bool": allowed, "none": None,
-            "additive": torch.zeros(allowed.shape, dtype=torch.float64).masked_fill(~allowed, -1e30)}[mask_kind]
+            "additive": torch.zeros(allowed.shape, dtype=torch.float64).masked_fill(~allowed, -1e30),
+            }[mask_kind]
     module = SimpleNamespace(num_key_value_groups=3, is_causal=True)
     expected = sdpa_attention_forward(module, query, key, value, mask)[0]
     torch.testing.assert_close(grouped_decode_attention(query, key, value, mask, None), expected,
@@ -81,15 +84,17 @@ def test_grouped_decode_attention_is_attention_under_every_mask_kind(mask_kind):
     # a bf16 decode step takes this path, within bf16 rounding of the float64 attention
     low = [t.bfloat16() for t in (query, key, value)]
     got = gqa_sdpa_forward(module, *low, mask if mask_kind != "additive" else mask.bfloat16())[0]
-    assert torch.equal(got, grouped_decode_attention(*low, mask if mask_kind != "additive" else mask.bfloat16(),
+    assert torch.equal(got, grouped_decode_attention(*low,
+                                                     mask if mask_kind != "additive" else mask.bfloat16(),
                                                      None))
     torch.testing.assert_close(got.double(), expected, rtol=0, atol=0.03)
 
 
 def test_gqa_sdpa_leaves_other_implementations_alone():
     tokenizer = load_tokenizer(qwen3_tokenizer_dir())
-    model = build_tiny_model(tokenizer, TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                                        num_attention_heads=2, num_key_value_heads=1, head_dim=16))
+    model = build_tiny_model(tokenizer, TinyModelConfig(hidden_size=32, intermediate_size=64,
+                                                        num_hidden_layers=1, num_attention_heads=2,
+                                                        num_key_value_heads=1, head_dim=16))
     model.set_attn_implementation("eager")
     use_gqa_sdpa(model)
     assert model.config._attn_implementation == "eager"

@@ -79,7 +79,7 @@ def test_the_bonus_can_require_a_well_formed_block(text, if_wrong):
     config = RewardConfig(parallel_bonus_needs="well_formed")
     assert call(build_reward(PARALLEL_DIVERSITY, config), [response("41", text)]) == pytest.approx([if_wrong])
     with pytest.raises(PipelineError, match="parallel_bonus_needs"):
-        RewardConfig(parallel_bonus_needs="closed")  # type: ignore[arg-type]
+        RewardConfig(parallel_bonus_needs="closed")
 
 
 def test_self_bleu_can_read_only_well_formed_blocks():
@@ -92,7 +92,7 @@ def test_self_bleu_can_read_only_well_formed_blocks():
     assert call(build_reward(PARALLEL_DIVERSITY, strict), texts) == pytest.approx(
         [-1 - 0.3, -1 + 1 - 0.0, -1 - 0.3])  # ... here it counts as no block
     with pytest.raises(PipelineError, match="self_bleu_reads"):
-        RewardConfig(self_bleu_reads="closed")  # type: ignore[arg-type]
+        RewardConfig(self_bleu_reads="closed")
 
 
 def test_more_diverse_paths_earn_more_and_every_value_lies_in_the_formula_range():
@@ -108,10 +108,10 @@ def test_constants_are_params():
     reward = build_reward(PARALLEL_DIVERSITY, config)
     assert call(reward, [response("42", IDENTICAL), response("41", DISJOINT), response("41")]) == \
         pytest.approx([2.0 + 0.5 - 1.0, 0.0 + 0.5 - 0.0, 0.0 - 1.0])
-    assert set(SCHEDULE_KNOBS[PARALLEL_DIVERSITY]) == {"parallel_bonus", "self_bleu_weight", "parallel_bonus_needs",
-                                                     "self_bleu_reads"}
+    assert set(SCHEDULE_KNOBS[PARALLEL_DIVERSITY]) == {"parallel_bonus", "self_bleu_weight",
+                                                       "parallel_bonus_needs", "self_bleu_reads"}
     with pytest.raises(PipelineError, match="self_bleu_weight"):
-        RewardConfig(self_bleu_weight="0.3")  # type: ignore[arg-type]
+        RewardConfig(self_bleu_weight="0.3")
 
 
 # ---------------------------------------------------------------- against the official formula

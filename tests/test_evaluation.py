@@ -10,8 +10,18 @@ import pytest
 
 from parallel_r1.errors import PipelineError
 from parallel_r1.evaluation import (
-    METRIC_KEYS, Sample, ScoredSample, benchmark_jobs, by_benchmark, generate_jobs, mean_at_k,
-    pass_at_k, sample_from_row, sample_to_row, score_sample, summarize,
+    METRIC_KEYS,
+    Sample,
+    ScoredSample,
+    benchmark_jobs,
+    by_benchmark,
+    generate_jobs,
+    mean_at_k,
+    pass_at_k,
+    sample_from_row,
+    sample_to_row,
+    score_sample,
+    summarize,
 )
 
 BLOCK = "<Parallel><Path>a</Path><Path>b</Path></Parallel><Summary>s</Summary>"  # 69 characters
@@ -87,7 +97,8 @@ def test_sample_to_row_adds_verdict_fields_and_round_trips():
     row = sample_to_row(sample("p", 3, padded(60, "5"), tokens=7, truncated=True))
     assert row["correct"] is False and row["parallel"] is True
     assert row["parallel_position"] == pytest.approx(0.30)
-    assert (row["problem_id"], row["sample_index"], row["completion_tokens"], row["truncated"]) == ("p", 3, 7, True)
+    assert (row["problem_id"], row["sample_index"], row["completion_tokens"],
+            row["truncated"]) == ("p", 3, 7, True)
     assert sample_from_row(row) == Sample("p", 3, padded(60, "5"), "4", "gsm8k", 7, True)
 
 
@@ -140,7 +151,8 @@ def test_truncated_sample_with_a_final_answer_is_scored_not_dropped():
 def test_summarize_accepts_already_scored_samples():
     scored = [score_sample(s) for s in five_samples()]
     assert all(isinstance(s, ScoredSample) for s in scored)
-    assert summarize(scored, 2, model="m", benchmark="b", profile="tiny")["mean_at_k"] == pytest.approx(5 / 12)
+    assert (summarize(scored, 2, model="m", benchmark="b", profile="tiny")["mean_at_k"]
+            == pytest.approx(5 / 12))
 
 
 def test_summarize_rejects_a_problem_with_fewer_than_k_samples():

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from conftest import copy_repo, set_param, teacher_row, write_teacher
 
 REPO = Path(__file__).resolve().parents[1]
@@ -155,9 +156,9 @@ def test_write_error_is_one_line_and_the_filter_publishes_all_its_outputs_or_non
     long_row = teacher_row(question="x" * 2000)
     rows = "".join(json.dumps({**long_row, "id": f"g-{i}"}) + "\n" for i in range(60))   # ~140 kB kept
     write_teachers(workdir, rows, json.dumps(teacher_row(id="d-1", question="new")) + "\n")
-    done = subprocess.run(["bash", "-c", f"ulimit -f 64 && exec {sys.executable} -m stages.filter"], cwd=workdir,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(["bash", "-c", f"ulimit -f 64 && exec {sys.executable} -m stages.filter"],
+                          cwd=workdir, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == [
         "error: data/sft/parallel_gsm8k.jsonl: cannot write (File too large, EFBIG)"]
@@ -189,8 +190,8 @@ main()
 
 def test_os_error_outside_the_io_module_is_one_line(tmp_path):
     done = subprocess.run([sys.executable, "-c", CTRL_C_STAGE.replace(
-        "raise KeyboardInterrupt", "open('checkpoints/x', 'w')")], cwd=tmp_path, capture_output=True, text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+        "raise KeyboardInterrupt", "open('checkpoints/x', 'w')")], cwd=tmp_path, capture_output=True,
+        text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == ["error: checkpoints/x: No such file or directory (ENOENT)"]
 
@@ -199,13 +200,14 @@ def test_ctrl_c_in_a_stage_is_one_line(tmp_path):
     done = subprocess.run([sys.executable, "-c", CTRL_C_STAGE], cwd=tmp_path, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
     assert done.returncode == 130
-    assert done.stderr.strip().splitlines() == ["error: interrupted (Ctrl-C); this stage published nothing more"]
+    assert done.stderr.strip().splitlines() == [
+        "error: interrupted (Ctrl-C); this stage published nothing more"]
 
 
 def test_zero_rows_error_counts_every_reason_rows_were_dropped(workdir, capsys):
-    """Used to list Algorithm 1's reasons only ({'no_parallel_block': 1}) while the token cap dropped the rest."""
+    """Used to list Algorithm 1's reasons only ({'no_parallel_block': 1}) while the token cap dropped the
+    rest."""
     from conftest import one_line_error
-
     from stages.filter import main
 
     rows = [teacher_row(id=f"g-{i}", completion_tokens=30) for i in range(3)]
@@ -236,13 +238,13 @@ class FakeTeacher:
         return [SimpleNamespace(text="<think>t</think>Final Answer: 1", truncated=False) for _ in prompt_ids]
 
 
-def test_killed_teacher_generation_keeps_its_partial_file_where_no_dataset_reader_looks(workdir, mirror, monkeypatch,
-                                                                                        capsys):
-    """Used to leave data/teacher/.dapo.partial.jsonl, which validate then read as a dataset after a checkout."""
+def test_killed_teacher_generation_keeps_its_partial_file_where_no_dataset_reader_looks(workdir, mirror,
+                                                                                        monkeypatch, capsys):
+    """Used to leave data/teacher/.dapo.partial.jsonl, which validate then read as a dataset after a
+    checkout."""
     import parallel_r1.engine
     import stages.generate
     from stages.validate import dataset_paths
-
     from test_bad_inputs import fake_model_dir
 
     fake_model_dir(workdir / "models" / "base")
@@ -257,7 +259,8 @@ def test_killed_teacher_generation_keeps_its_partial_file_where_no_dataset_reade
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: interrupted (Ctrl-C)")
     assert len((workdir / "data/partial/teacher/dapo.jsonl").read_text().splitlines()) == 2
     assert not (workdir / "data/teacher").exists()
-    write_teachers(workdir, json.dumps(teacher_row()) + "\n", json.dumps(teacher_row(id="d-1")) + "\n")  # checkout
+    # a checkout
+    write_teachers(workdir, json.dumps(teacher_row()) + "\n", json.dumps(teacher_row(id="d-1")) + "\n")
     (workdir / "data/teacher/.gsm8k.partial.jsonl").write_text("")          # an older version's leftover
     assert [p.name for p in dataset_paths([])] == ["dapo.jsonl", "gsm8k.jsonl"]
 
@@ -284,8 +287,9 @@ def test_run_of_a_killed_stage_restored_from_the_run_cache_is_closed(tmp_path, m
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "restored")
     monkeypatch.delenv("PARALLEL_R1_TRACKING", raising=False)
     monkeypatch.delenv("PARALLEL_R1_PARENT_RUN_ID", raising=False)
-    killed = subprocess.run([sys.executable, "-c", KILLED_STAGE.replace('"sft", "seen"', '"filter"')], cwd=repo,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300)
+    killed = subprocess.run([sys.executable, "-c", KILLED_STAGE.replace('"sft", "seen"', '"filter"')],
+                            cwd=repo, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                            text=True, timeout=300)
     assert killed.returncode == -9, killed.stderr[-2000:]
     for name in OUTPUTS:                  # DVC had removed the outputs before the stage was killed
         (repo / name).unlink()
@@ -295,5 +299,6 @@ def test_run_of_a_killed_stage_restored_from_the_run_cache_is_closed(tmp_path, m
 
     make_run(["--single-item", "filter"], repo)
     assert all((repo / name).is_file() for name in OUTPUTS)                 # restored, the stage not run
-    assert [run.info.run_name for run in client.search_runs([experiment], "")] == ["make-run@filter", "filter"]
+    assert [run.info.run_name
+            for run in client.search_runs([experiment], "")] == ["make-run@filter", "filter"]
     assert client.get_run(orphan.info.run_id).info.status == "KILLED"

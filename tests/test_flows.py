@@ -25,15 +25,25 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    FlowRunFilter,
+    FlowRunFilterId,
+)
 from prefect.client.schemas.objects import StateType
 from prefect.deployments import run_deployment
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.states import Failed
 
 from flows import ui
-from flows.dvc_runner import (DvcCommandError, TransientDvcError, error_from_output, experiment_metrics,
-                              plan_stages)
+from flows.dvc_runner import (
+    DvcCommandError,
+    TransientDvcError,
+    error_from_output,
+    experiment_metrics,
+    plan_stages,
+)
 from flows.reproduce import reproduce, retry_only_transient
 from flows.sweep import TABLE_KEY, plan_sweep, sweep
 from parallel_r1.errors import PipelineError
@@ -57,8 +67,8 @@ def dvc(*args: str, cwd: Path) -> str:
 def git_commit_all(root: Path) -> None:
     subprocess.run(["git", "init", "-q"], cwd=root, check=True)
     subprocess.run(["git", "add", "-A"], cwd=root, check=True)
-    subprocess.run(["git", "-c", "user.name=test", "-c", "user.email=test@localhost", "commit", "-qm", "copy"],
-                   cwd=root, check=True)
+    subprocess.run(["git", "-c", "user.name=test", "-c", "user.email=test@localhost", "commit", "-qm",
+                    "copy"], cwd=root, check=True)
 
 
 def stage_block(dvc_yaml: str, name: str) -> str:
@@ -126,8 +136,8 @@ def toy(tmp_path_factory) -> Path:
 def ui_stack(project):
     """`python -m flows.ui` in the project copy: Prefect and MLflow servers plus served deployments."""
     ports = {"prefect": free_port(), "mlflow": free_port()}
-    env = dict(os.environ, PARALLEL_R1_PREFECT_PORT=str(ports["prefect"]), PARALLEL_R1_MLFLOW_PORT=str(ports["mlflow"]),
-               PYTHONPATH=str(project))
+    env = dict(os.environ, PARALLEL_R1_PREFECT_PORT=str(ports["prefect"]),
+               PARALLEL_R1_MLFLOW_PORT=str(ports["mlflow"]), PYTHONPATH=str(project))
     log = open(project / "ui.log", "wb")  # noqa: SIM115
     process = subprocess.Popen([sys.executable, "-m", "flows.ui"], cwd=project, env=env, stdout=log,
                                stderr=subprocess.STDOUT, start_new_session=True)
@@ -176,10 +186,12 @@ def test_plan_follows_dvc_dependency_order(toy):
 def test_error_line_prefers_the_stage_error_and_only_lock_contention_is_transient():
     stage_failure = ["Running stage 'filter':", "> python -m stages.filter",
                      "error: data/teacher/gsm8k.jsonl line 3: missing field 'completion'",
-                     "ERROR: failed to reproduce 'filter': failed to run: python -m stages.filter, exited with 1"]
+                     "ERROR: failed to reproduce 'filter': failed to run: python -m stages.filter, "
+                     "exited with 1"]
     err = error_from_output(stage_failure, "dvc repro")
     assert type(err) is DvcCommandError and str(err) == stage_failure[2]
-    lock = error_from_output(["ERROR: Unable to acquire lock. Most likely another DVC process is running"], "dvc")
+    lock = error_from_output(["ERROR: Unable to acquire lock. Most likely another DVC process is running"],
+                             "dvc")
     assert isinstance(lock, TransientDvcError)
     assert retry_only_transient(None, None, Failed(data=lock))
     assert not retry_only_transient(None, None, Failed(data=err))
@@ -230,15 +242,16 @@ def test_reproduce_runs_each_stage_as_a_completed_task_and_nests_stage_runs(toy,
 
 
 @pytest.mark.parametrize("port, shell_api_url", [(4301, None), (4200, "http://127.0.0.1:4301/api")])
-def test_prefect_server_tells_its_ui_the_api_on_the_port_it_serves(port, shell_api_url, tmp_path, monkeypatch):
+def test_prefect_server_tells_its_ui_the_api_on_the_port_it_serves(port, shell_api_url, tmp_path,
+                                                                   monkeypatch):
     """The UI asks the server's /ui-settings where the API is; Prefect answers PREFECT_UI_API_URL."""
     if shell_api_url:  # e.g. left in the user's shell by an earlier `make ui` on another port
         monkeypatch.setenv("PREFECT_API_URL", shell_api_url)
     else:
         monkeypatch.delenv("PREFECT_API_URL", raising=False)
     code = "import prefect.settings as s; print(s.PREFECT_UI_API_URL.value())"
-    shown = subprocess.run([sys.executable, "-c", code], env=ui.prefect_server_env(tmp_path, port), check=True,
-                           capture_output=True, text=True).stdout.strip()
+    shown = subprocess.run([sys.executable, "-c", code], env=ui.prefect_server_env(tmp_path, port),
+                           check=True, capture_output=True, text=True).stdout.strip()
     assert shown == f"http://127.0.0.1:{port}/api"
 
 
@@ -262,16 +275,19 @@ def test_make_run_nests_the_stage_runs_of_one_dvc_repro_under_one_parent_run(toy
 
 @pytest.mark.server
 @pytest.mark.slow
-def test_sweep_experiment_runs_nest_their_stage_runs_and_table_holds_dvc_metrics(toy, prefect_api, monkeypatch):
+def test_sweep_experiment_runs_nest_their_stage_runs_and_table_holds_dvc_metrics(toy, prefect_api,
+                                                                                  monkeypatch):
     monkeypatch.chdir(toy)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     (row,) = sweep(configurations=[], target="tracked", grid={"x": ["1"]})
     assert (row["state"], row["score"]) == ("success", 0.5)
     client = MlflowClient(prefect_api["mlflow"])
     query = f"tags.dvc_exp_name = '{row['experiment']}' and tags.stage = 'tracked'"
-    (stage_run,) = client.search_runs([client.get_experiment_by_name("toy").experiment_id], filter_string=query)
+    (stage_run,) = client.search_runs([client.get_experiment_by_name("toy").experiment_id],
+                                      filter_string=query)
     assert stage_run.data.tags["mlflow.parentRunId"] == row["mlflow_run_id"]
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=toy, capture_output=True, text=True).stdout.strip()
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=toy, capture_output=True,
+                          text=True).stdout.strip()
     assert stage_run.data.tags["git_commit"] == head  # DVC_ROOT: the project, not the temporary clone
     assert client.get_run(row["mlflow_run_id"]).data.metrics["score"] == 0.5
 
@@ -303,12 +319,14 @@ def test_served_deployments_are_listed_and_a_triggered_run_completes(prefect_api
     flow_run = run_deployment("reproduce/parallel-r1", parameters={"targets": ["prepare_data"]}, timeout=600,
                               poll_interval=2, as_subflow=False)
     assert flow_run.state.type == StateType.COMPLETED, flow_run.state.message
-    assert [(run.name, run.state.type) for run in task_runs(flow_run.id)] == [("prepare_data", StateType.COMPLETED)]
+    assert ([(run.name, run.state.type) for run in task_runs(flow_run.id)]
+            == [("prepare_data", StateType.COMPLETED)])
 
 
 @pytest.mark.server
 @pytest.mark.slow
-def test_sweep_of_two_configurations_gives_two_experiments_two_runs_and_a_table(project, prefect_api, monkeypatch):
+def test_sweep_of_two_configurations_gives_two_experiments_two_runs_and_a_table(project, prefect_api,
+                                                                                monkeypatch):
     monkeypatch.chdir(project)
     state = sweep(configurations=[], target="prepare_data", grid={"data.eval.aime24.limit": ["1", "2"]},
                   return_state=True)
@@ -317,12 +335,14 @@ def test_sweep_of_two_configurations_gives_two_experiments_two_runs_and_a_table(
     names = [row["experiment"] for row in rows]
     assert len(names) == 2 and all(row["state"] == "success" for row in rows)
     shown = json.loads(dvc("exp", "show", "--json", cwd=project))
-    experiments = {rev["name"]: rev["data"]["params"]["params.yaml"]["data"]["data"]["eval"]["aime24"]["limit"]
+    experiments = {rev["name"]:
+                   rev["data"]["params"]["params.yaml"]["data"]["data"]["eval"]["aime24"]["limit"]
                    for baseline in shown for exp in baseline.get("experiments") or [] for rev in exp["revs"]}
     assert {name: experiments[name] for name in names} == {names[0]: 1, names[1]: 2}
     client = MlflowClient(prefect_api["mlflow"])
     experiment_id = client.get_experiment_by_name("parallel-r1").experiment_id
-    found = client.search_runs([experiment_id], filter_string=f"tags.sweep_id = '{names[0].rsplit('-', 1)[0]}'")
+    found = client.search_runs([experiment_id],
+                               filter_string=f"tags.sweep_id = '{names[0].rsplit('-', 1)[0]}'")
     (sweep_run,) = [run for run in found if "dvc_exp_name" not in run.data.tags]
     runs = {run.data.tags["dvc_exp_name"]: run for run in found if "dvc_exp_name" in run.data.tags}
     assert sorted(runs) == sorted(names) and sweep_run.data.tags["flow"] == "sweep"

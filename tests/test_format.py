@@ -61,7 +61,8 @@ def test_rejection_detail_says_where():
 
 
 def test_real_teacher_outputs(mirror):
-    rows = [json.loads(line) for line in open(mirror / "teacher_demos_gsm8k.jsonl")]
+    with open(mirror / "teacher_demos_gsm8k.jsonl") as source:
+        rows = [json.loads(line) for line in source]
     results = [check_format(r["completion"]) for r in rows]
     valid = sum(r.ok for r in results)
     assert len(rows) == 300
@@ -69,11 +70,12 @@ def test_real_teacher_outputs(mirror):
     # few that fail hold no block at all (they answered without parallel thinking).
     assert valid >= 290
     assert {r.reason for r in results if not r.ok} <= {fmt.NO_PARALLEL_BLOCK}
-    assert all(count_blocks(r["completion"]) >= 1 for r, res in zip(rows, results) if res.ok)
+    assert all(count_blocks(r["completion"]) >= 1 for r, res in zip(rows, results, strict=False) if res.ok)
 
 
 def test_rollout_layout_drops_only_the_whitespace_between_a_blocks_tags(mirror):
-    rows = [json.loads(line) for line in open(mirror / "teacher_demos_gsm8k.jsonl")]
+    with open(mirror / "teacher_demos_gsm8k.jsonl") as source:
+        rows = [json.loads(line) for line in source]
     demos = [r["completion"] for r in rows if check_format(r["completion"]).ok]
     assert any("<Parallel>\n<Path>" in d for d in demos)  # the released layout: a newline between tags
     for demo in demos:
@@ -92,10 +94,12 @@ def test_rollout_layout_drops_only_the_whitespace_between_a_blocks_tags(mirror):
 
 
 def test_filter_writes_kept_demos_in_the_rollout_layout_unless_told_not_to():
-    demo = "Think.\n\n<Parallel>\n<Path>a</Path>\n<Path>b</Path>\n</Parallel>\n<Summary>s</Summary>\n\nFinal Answer: 3"
+    demo = ("Think.\n\n<Parallel>\n<Path>a</Path>\n<Path>b</Path>\n</Parallel>\n<Summary>s</Summary>\n\n"
+            "Final Answer: 3")
     rows = [{"id": "1", "completion": demo, "completion_tokens": 40}]
     laid_out = filter_outputs(rows, FilterConfig()).kept
-    assert laid_out == [{**rows[0], "completion": fmt.rollout_layout(demo)}] and laid_out[0]["completion"] != demo
+    assert (laid_out == [{**rows[0], "completion": fmt.rollout_layout(demo)}]
+            and laid_out[0]["completion"] != demo)
     assert filter_outputs(rows, FilterConfig(rollout_layout=False)).kept == rows
     assert rows[0]["completion"] == demo  # the teacher's rows are not modified in place
 
@@ -105,7 +109,8 @@ def test_parse_blocks_spans():
     blocks = parse_blocks(text)
     assert len(blocks) == 2
     first = blocks[0]
-    assert text[first.parallel.start:first.parallel.end] == "<Parallel><Path>a</Path><Path>b</Path></Parallel>"
+    assert (text[first.parallel.start:first.parallel.end]
+            == "<Parallel><Path>a</Path><Path>b</Path></Parallel>")
     assert [text[p.start:p.end] for p in first.paths] == ["<Path>a</Path>", "<Path>b</Path>"]
     assert text[first.summary.start:first.summary.end] == "<Summary>s</Summary>"
     assert parse_blocks("<Parallel><Path>a") == []
@@ -172,7 +177,8 @@ def test_path_diversity_is_zero_for_copies_and_one_for_disjoint_paths():
     from parallel_r1.format import path_diversity
 
     copies = "a <Parallel><Path>x = 2 + 3</Path><Path>x = 2 + 3</Path></Parallel><Summary>5</Summary> b"
-    disjoint = "<Parallel><Path>add two and three</Path><Path>5 by counting</Path></Parallel><Summary>5</Summary>"
+    disjoint = ("<Parallel><Path>add two and three</Path><Path>5 by counting</Path></Parallel>"
+                "<Summary>5</Summary>")
     assert path_diversity(copies) == 0.0
     assert path_diversity(disjoint) == 1.0
     assert path_diversity("no block here") is None

@@ -28,8 +28,12 @@ from parallel_r1.models import TinyModelConfig, build_tiny_model, load_model
 from parallel_r1.rewards import RewardConfig, build_reward
 from parallel_r1.structure import TagIds, attention_inputs, build_structure
 from parallel_r1.training.grpo import RLOptions, batch_layout, grpo_config, rl_dataset, train_rl
-from parallel_r1.training.grpo_trainer import (STEP_KEYS, EpochSeededRepeatSampler, ParallelGRPOTrainer,
-                                               step_records)
+from parallel_r1.training.grpo_trainer import (
+    STEP_KEYS,
+    EpochSeededRepeatSampler,
+    ParallelGRPOTrainer,
+    step_records,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -127,7 +131,8 @@ def test_b_prompts_times_g_rollouts_make_one_generation_and_one_update(batch, ge
         assert (config.per_device_train_batch_size, config.gradient_accumulation_steps,
                 config.steps_per_generation, config.generation_batch_size) == expected
         assert config.num_generations == generations and config.num_iterations == 1
-        assert config.loss_type == "bnpo" and config.delta == 3.0 and config.beta == 0.0 and not config.use_vllm
+        assert (config.loss_type == "bnpo" and config.delta == 3.0 and config.beta == 0.0
+                and not config.use_vllm)
 
 
 def test_indivisible_batch_is_a_one_line_error():
@@ -145,7 +150,8 @@ def test_run_dataset_and_shared_sections_merge_into_options(tmp_path):
     assert opts.structured and opts.max_completion_tokens == 24
     config = grpo_config(opts, tmp_path)
     assert (config.epsilon, config.epsilon_high, config.learning_rate) == (0.2, 0.28, 1.0e-3)
-    assert options().epsilon_high is None and grpo_config(options(), tmp_path).epsilon_high is None  # = epsilon
+    # = epsilon
+    assert options().epsilon_high is None and grpo_config(options(), tmp_path).epsilon_high is None
 
 
 def test_vllm_engine_turns_on_trl_vllm_so_trl_syncs_its_weights(tmp_path):
@@ -194,7 +200,8 @@ def test_long_prompts_are_dropped_and_columns_kept_for_rewards(tokenizer):
 
 def test_step_records_carry_the_schedule_reward_type_and_null_positions():
     history = [{"step": s, "reward": 0.5, "accuracy": 0.25, "parallel_ratio": 1.0, "response_length": 9.0,
-                "blocks_per_response": 1.0, **({"parallel_position": 0.4} if s != 2 else {})} for s in (1, 2, 3)]
+                "blocks_per_response": 1.0, **({"parallel_position": 0.4} if s != 2 else {})}
+               for s in (1, 2, 3)]
     history.append({"step": 3, "train_runtime": 1.0})
     records = step_records(history, "alternating", RewardConfig(window=2, tiered_steps=1))
     assert [tuple(r) for r in records] == [STEP_KEYS] * 3
@@ -209,11 +216,12 @@ def trainer_for(structured: bool, init_dir: Path, tmp_path: Path) -> ParallelGRP
     model, tokenizer = load_model(init_dir, attn_implementation="sdpa")
     dataset, _ = rl_dataset(PROBLEMS, tokenizer, "parallel", 2000)
     return ParallelGRPOTrainer(model=model, reward_funcs=[build_reward("accuracy")],
-                               args=grpo_config(options(), tmp_path / f"out_{structured}"), train_dataset=dataset,
-                               processing_class=tokenizer, structured=structured)
+                               args=grpo_config(options(), tmp_path / f"out_{structured}"),
+                               train_dataset=dataset, processing_class=tokenizer, structured=structured)
 
 
-def reference_logprobs(model, ids: torch.Tensor, tags: TagIds, structured: bool, completion: int) -> torch.Tensor:
+def reference_logprobs(model, ids: torch.Tensor, tags: TagIds, structured: bool,
+                       completion: int) -> torch.Tensor:
     """Log-prob of each of the last `completion` tokens from a plain forward with the given structure."""
     structure = build_structure(ids, None, tags, structured=structured)
     with torch.no_grad():
@@ -222,7 +230,8 @@ def reference_logprobs(model, ids: torch.Tensor, tags: TagIds, structured: bool,
     return logprobs[:, -completion:]
 
 
-TWO_PATHS = "Let me see.<Parallel><Path> add them</Path><Path> count up</Path></Parallel>\n<Summary> 5</Summary> Final Answer: 5"
+TWO_PATHS = ("Let me see.<Parallel><Path> add them</Path><Path> count up</Path></Parallel>\n"
+             "<Summary> 5</Summary> Final Answer: 5")
 NO_BLOCK = "Let me see. Two plus three is five. Final Answer: 5"
 
 
@@ -260,13 +269,14 @@ def test_unseen_trainer_scores_paths_with_the_path_window_mask(trainers, tokeniz
 
 def test_unseen_trainer_equals_causal_without_blocks(trainers, tokenizer):
     prompt, completion = encode(tokenizer, "What is 2 + 3?", NO_BLOCK)
-    assert torch.allclose(scored(trainers[False], prompt, completion), scored(trainers[True], prompt, completion),
-                          atol=1e-5)
+    assert torch.allclose(scored(trainers[False], prompt, completion),
+                          scored(trainers[True], prompt, completion), atol=1e-5)
 
 
 def test_unseen_scores_of_a_padded_batch_match_each_row_alone(trainers, tokenizer):
     """TRL's layout: left-padded prompts, right-padded completions (padding in the middle)."""
-    rows = [encode(tokenizer, "What is 2 + 3?", TWO_PATHS), encode(tokenizer, "A much longer question here?", NO_BLOCK)]
+    rows = [encode(tokenizer, "What is 2 + 3?", TWO_PATHS),
+            encode(tokenizer, "A much longer question here?", NO_BLOCK)]
     prompt_len, completion_len = max(len(p) for p, _ in rows), max(len(c) for _, c in rows)
     pad = tokenizer.pad_token_id
     ids, mask = [], []
@@ -287,10 +297,12 @@ def micro_batch(tokenizer, advantages: list[float]) -> dict:
     """A TRL training micro-batch of one completion per advantage (same prompt, same completion)."""
     prompt, completion = encode(tokenizer, "What is 2 + 3?", TWO_PATHS)
     rows = len(advantages)
-    return {"prompt_ids": torch.tensor([prompt] * rows), "prompt_mask": torch.ones(rows, len(prompt), dtype=torch.long),
+    return {"prompt_ids": torch.tensor([prompt] * rows),
+            "prompt_mask": torch.ones(rows, len(prompt), dtype=torch.long),
             "completion_ids": torch.tensor([completion] * rows),
             "completion_mask": torch.ones(rows, len(completion), dtype=torch.long),
-            "advantages": torch.tensor(advantages), "num_items_in_batch": torch.tensor(float(rows * len(completion))),
+            "advantages": torch.tensor(advantages),
+            "num_items_in_batch": torch.tensor(float(rows * len(completion))),
             "old_per_token_logps": None}
 
 
@@ -301,7 +313,8 @@ def gradients(trainer, loss: torch.Tensor) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("structured", [False, True])
-def test_zero_advantage_micro_batch_skips_the_forward_with_the_same_zero_gradient(trainers, tokenizer, structured):
+def test_zero_advantage_micro_batch_skips_the_forward_with_the_same_zero_gradient(trainers, tokenizer,
+                                                                                  structured):
     trainer = trainers[structured]
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1  # what Trainer.train sets before its first micro-batch
@@ -312,7 +325,8 @@ def test_zero_advantage_micro_batch_skips_the_forward_with_the_same_zero_gradien
     fast = gradients(trainer, trainer.compute_loss(trainer.model, zero))
     assert trainer.skipped_micro_batches == skipped + 1
     assert trainer._metrics["train"]["clip_ratio/region_mean"][-1] == 0.0  # logged as the full pass would
-    assert len(fast) == len(full) and all(torch.count_nonzero(g) == 0 for g in fast)  # every parameter gets it
+    # every parameter gets it
+    assert len(fast) == len(full) and all(torch.count_nonzero(g) == 0 for g in fast)
     moving = gradients(trainer, trainer.compute_loss(trainer.model, micro_batch(tokenizer, [1.0, -1.0])))
     assert trainer.skipped_micro_batches == skipped + 1  # a spread is computed in full
     assert any(torch.count_nonzero(g) > 0 for g in moving)
@@ -338,21 +352,24 @@ def test_zero_advantages_are_computed_in_full_with_a_kl_term(trainers, tokenizer
 # ---------------------------------------------------------------------------------- end to end
 
 
-def run_once(init_dir: Path, tmp_path: Path, tokenizer, opts: RLOptions, reward_config=RewardConfig(), **kwargs):
-    return train_rl(opts, init_dir, PROBLEMS, tmp_path / "models" / opts.run, tmp_path / "checkpoints" / opts.run,
-                    reward_config=reward_config, engine_options={"logits_processor": ForkSomeRollouts(tokenizer)},
-                    **kwargs)
+def run_once(init_dir: Path, tmp_path: Path, tokenizer, opts: RLOptions, reward_config=RewardConfig(),
+             **kwargs):
+    return train_rl(opts, init_dir, PROBLEMS, tmp_path / "models" / opts.run,
+                    tmp_path / "checkpoints" / opts.run, reward_config=reward_config,
+                    engine_options={"logits_processor": ForkSomeRollouts(tokenizer)}, **kwargs)
 
 
 def changed_parameters(before: Path, after: Path) -> int:
     old, _ = load_model(before)
     new, _ = load_model(after)
-    return sum(not torch.equal(a, b) for a, b in zip(old.state_dict().values(), new.state_dict().values()))
+    return sum(not torch.equal(a, b)
+               for a, b in zip(old.state_dict().values(), new.state_dict().values(), strict=False))
 
 
 @pytest.mark.slow
 def test_seen_grpo_step_forks_rollouts_rewards_them_and_saves_the_model(init_dir, tmp_path, tokenizer):
-    rl = {**RL, "datasets": {"gsm8k": {"batch_size": 2, "num_generations": 4, "max_steps": 1}}}  # 2 micro-batches
+    # 2 micro-batches
+    rl = {**RL, "datasets": {"gsm8k": {"batch_size": 2, "num_generations": 4, "max_steps": 1}}}
     result = run_once(init_dir, tmp_path, tokenizer, options(rl))
     assert result.steps == 1 and result.steps_this_run == 1 and result.resumed_from is None
     (record,) = result.history
@@ -391,7 +408,8 @@ def test_unseen_scaffold_run_exports_step_snapshots(init_dir, tmp_path, tokenize
                    rl={**RL, "datasets": {"gsm8k": {"batch_size": 1, "num_generations": 4, "max_steps": 2}}})
     every_step_tiered_then_switch = RewardConfig(window=1, tiered_steps=1, switch_step=1)
     adam_steps = AdamStepCount()
-    result = run_once(init_dir, tmp_path, tokenizer, opts, every_step_tiered_then_switch, callbacks=[adam_steps])
+    result = run_once(init_dir, tmp_path, tokenizer, opts, every_step_tiered_then_switch,
+                      callbacks=[adam_steps])
     assert [r["reward_type"] for r in result.history] == ["tiered", "accuracy"]
     assert adam_steps.counts == [0, 1]  # the switch after step 1 restarted the optimizer (no switch: [1, 2])
     assert result.snapshots == ["step-1", "step-2"]
@@ -510,8 +528,8 @@ def test_unknown_run_name_stops_with_one_line(tmp_path, monkeypatch, capsys):
 def test_missing_init_model_stops_with_one_line(tmp_path, monkeypatch, capsys):
     stage_project(tmp_path)
     err = run_stage(tmp_path, monkeypatch, capsys, "grpo_gsm8k")
-    assert err.startswith("error: params.yaml rl_runs.grpo_gsm8k.init: 'base' is not written yet (run its stage "
-                          "first): models/base not found (known: base, ") and "\n" not in err
+    assert err.startswith("error: params.yaml rl_runs.grpo_gsm8k.init: 'base' is not written yet "
+                          "(run its stage first): models/base not found (known: base, ") and "\n" not in err
 
 
 def test_corrupt_init_model_stops_with_one_line(tmp_path, monkeypatch, capsys, init_dir):
@@ -574,10 +592,12 @@ def test_stage_writes_model_steps_and_summary_and_an_equal_run_reuses_them(
     assert [tuple(r) for r in trained_steps] == [STEP_KEYS] and trained_steps[0]["reward_type"] == "accuracy"
     trained_summary = read_json(metrics / "grpo_dapo/summary.json")
     assert trained_summary["steps"] == 1 and trained_summary["rollout_backend"] == "transformers"
-    assert 0 <= trained_steps[0]["frac_reward_zero_std"] <= 1  # TRL's per-step reward spread reaches steps.json
+    # TRL's per-step reward spread reaches steps.json
+    assert 0 <= trained_steps[0]["frac_reward_zero_std"] <= 1
     assert trained_summary["steps_with_reward_spread"] == int(trained_steps[0]["frac_reward_zero_std"] < 1)
     # one micro-batch (2 rollouts of 1 prompt): skipped exactly when the group had no spread
-    assert trained_summary["skipped_micro_batches_this_run"] == 1 - trained_summary["steps_with_reward_spread"]
+    assert (trained_summary["skipped_micro_batches_this_run"]
+            == 1 - trained_summary["steps_with_reward_spread"])
     assert trained_summary["rollout_tokens_per_s"] > 0
     assert trained_summary["final_reward"] == trained_steps[0]["reward"]
     assert set(trained_summary["step_time_split"]) == {"rollout_seconds", "scoring_seconds", "update_seconds"}
@@ -603,7 +623,8 @@ def test_stage_writes_model_steps_and_summary_and_an_equal_run_reuses_them(
         [client.get_experiment_by_name("rl-memo-test").experiment_id])}
     trained_run, reused_run = runs["rl@grpo_dapo (accuracy)"], runs["rl@grpo_gsm8k_then_dapo (accuracy)"]
     assert reused_run.data.tags["reused_from"] == "grpo_dapo" and "reused_from" not in trained_run.data.tags
-    # (TRL's profiling timers go to MLflow straight, outside the log history: the time this run took is its own)
+    # (TRL's profiling timers go to MLflow straight, outside the log history: the time this run took is its
+    # own)
     trained_keys = {key for key in trained_run.data.metrics if not key.startswith("profiling/")}
     assert trained_keys == set(reused_run.data.metrics) and "reward" in trained_keys
     assert [(m.step, m.value) for m in client.get_metric_history(reused_run.info.run_id, "reward")] == [
@@ -658,7 +679,8 @@ def fixed_batch() -> tuple[dict, torch.Tensor]:
     return inputs, ratios.log().requires_grad_()
 
 
-def loss_and_grad(trainer, monkeypatch, loss_type: str, delta: float | None) -> tuple[float, torch.Tensor]:
+def loss_and_grad(trainer, monkeypatch, loss_type: str,
+                  delta: float | None) -> tuple[float, torch.Tensor | None]:
     inputs, logps = fixed_batch()
     monkeypatch.setattr(trainer, "_get_per_token_logps_and_entropies",
                         lambda *args, **kwargs: (logps, torch.zeros_like(logps), None))

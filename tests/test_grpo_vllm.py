@@ -84,12 +84,12 @@ def bigram_policy(tokenizer):
 def run_two_steps(folder: Path) -> None:
     """Child process: 2 GRPO steps on TRL's colocated vLLM, observations to `folder/observed.json`."""
     import torch
-    from test_grpo import PROBLEMS, RL, options
     from vllm import SamplingParams
 
     from parallel_r1.models import load_tokenizer, qwen3_tokenizer_dir
     from parallel_r1.training import grpo_trainer
     from parallel_r1.training.grpo import train_rl
+    from test_grpo import PROBLEMS, RL, options
 
     tokenizer = load_tokenizer(qwen3_tokenizer_dir())
     init_dir = folder / "models" / "base"

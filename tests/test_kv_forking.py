@@ -14,6 +14,8 @@ log-probs agreed to 2e-6 up to such a flip). In float64 the sampler sees identic
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -49,7 +51,7 @@ class VariedBlocks(ScriptedBlocks):
 
 
 def rollouts(tiny, processor, kv_forking: bool, backend: dict | None = None, **settings):
-    config = dict(parallel=True, max_blocks=3, max_tokens=200, temperature=1.0, seed=5)
+    config: dict[str, Any] = dict(parallel=True, max_blocks=3, max_tokens=200, temperature=1.0, seed=5)
     config.update(settings)
     engine = transformers_engine(tiny.model, tiny.tokenizer, RolloutConfig(**config), kv_forking=kv_forking,
                                  logits_processor=processor, **(backend or {}))
@@ -77,7 +79,8 @@ def prompt_encoding(prompts, generations: int) -> int:
 def closed_by_engine(tiny, rollouts_) -> int:
     """Paths the engine had to close (EOS inside the path, or its budget)."""
     close = tiny.tags.path_close
-    return sum(1 for r in rollouts_ for t, m in zip(r.completion_ids, r.env_mask) if t == close and m == 0)
+    return sum(1 for r in rollouts_ for t, m in zip(r.completion_ids, r.env_mask, strict=False)
+               if t == close and m == 0)
 
 
 @pytest.mark.parametrize("structured", [False, True], ids=["seen", "unseen"])
@@ -133,7 +136,8 @@ def test_streamed_request_tokens_do_not_depend_on_batch_neighbours(tiny):
     engine = transformers_engine(tiny.model, tiny.tokenizer, RolloutConfig())
     backend = engine.backend
     eos = frozenset({tiny.eos})
-    requests = [SegmentRequest(tuple(p), 6, eos, seed=seed) for p, seed in zip(tiny.prompts, (5, 9))]
+    requests = [SegmentRequest(tuple(p), 6, eos, seed=seed)
+                for p, seed in zip(tiny.prompts, (5, 9), strict=False)]
 
     def run(batch):
         tickets = [backend.submit(r) for r in batch]

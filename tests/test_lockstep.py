@@ -18,7 +18,7 @@ import os
 import socket
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -33,7 +33,8 @@ from tests.test_kv_forking import VariedBlocks, assert_same_rollouts
 QUESTIONS = ["What is 2 + 3?", "A farmer has 12 cows and buys 7 more. How many cows does he have now?",
              "Tom reads 4 pages a day for a week. How many pages?"]
 WORKLOADS = {0: (QUESTIONS, 2), 1: (QUESTIONS[:1], 1)}  # rank: (questions, rollouts per question)
-CONFIG = dict(parallel=True, structured=True, max_blocks=3, max_tokens=120, temperature=1.0, seed=11)
+CONFIG: dict[str, Any] = dict(parallel=True, structured=True, max_blocks=3, max_tokens=120, temperature=1.0,
+                              seed=11)
 
 
 def tiny_policy() -> SimpleNamespace:

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-import torch
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from parallel_r1.errors import PipelineError
 from parallel_r1.format import TAGS
-from parallel_r1.models import (TinyModelConfig, build_tiny_model, check_model_dir, load_model,
-                                prepare_base_model, qwen3_tokenizer_dir)
+from parallel_r1.models import (
+    TinyModelConfig,
+    build_tiny_model,
+    check_model_dir,
+    load_model,
+    prepare_base_model,
+    qwen3_tokenizer_dir,
+)
 
 SMALL = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                         num_key_value_heads=1, head_dim=16)
@@ -26,7 +32,7 @@ def test_tags_are_single_special_tokens(tokenizer):
 def test_tiny_model_is_seeded_and_deterministic(tokenizer):
     first, second = build_tiny_model(tokenizer, SMALL), build_tiny_model(tokenizer, SMALL)
     other = build_tiny_model(tokenizer, TinyModelConfig(**{**SMALL.__dict__, "seed": 1}))
-    for a, b in zip(first.state_dict().values(), second.state_dict().values()):
+    for a, b in zip(first.state_dict().values(), second.state_dict().values(), strict=False):
         assert torch.equal(a, b)
     assert not torch.equal(first.model.embed_tokens.weight, other.model.embed_tokens.weight)
     assert first.config.vocab_size == len(tokenizer)
@@ -45,13 +51,15 @@ def test_pretrained_folder_gets_tags_at_their_spelling_mean(tmp_path):
     model = build_tiny_model(plain, SMALL)
     model.save_pretrained(tmp_path / "pretrained")
     plain.save_pretrained(tmp_path / "pretrained")
-    prepared, tokenizer = load_model(prepare_base_model(str(tmp_path / "pretrained"), tmp_path / "base", "float32"))
+    prepared, tokenizer = load_model(prepare_base_model(str(tmp_path / "pretrained"), tmp_path / "base",
+                                                        "float32"))
     tag_ids = tokenizer.convert_tokens_to_ids(list(TAGS))
     weight = prepared.get_input_embeddings().weight
     assert weight.shape[0] == len(tokenizer) == len(plain) + 6
     original = model.get_input_embeddings().weight
-    for tag, tag_id in zip(TAGS, tag_ids):
-        pieces = plain(tag, add_special_tokens=False)["input_ids"]  # "<", "Parallel", ">" before the tags exist
+    for tag, tag_id in zip(TAGS, tag_ids, strict=False):
+        # "<", "Parallel", ">" before the tags exist
+        pieces = plain(tag, add_special_tokens=False)["input_ids"]
         assert len(pieces) > 1
         torch.testing.assert_close(weight[tag_id], original[pieces].mean(dim=0))
     assert not torch.allclose(weight[tag_ids[0]], weight[tag_ids[2]])  # each tag its own start, not one mean

@@ -28,7 +28,8 @@ from test_grpo import PROBLEMS, RL, ForkSomeRollouts, init_dir, options  # noqa:
 REPO = Path(__file__).resolve().parents[1]
 
 
-def trainer_with(opts: RLOptions, init_dir: Path, tmp_path: Path, tokenizer, callbacks=()) -> ParallelGRPOTrainer:
+def trainer_with(opts: RLOptions, init_dir: Path, tmp_path: Path, tokenizer,  # noqa: F811
+                 callbacks=()) -> ParallelGRPOTrainer:
     """The trainer train_rl builds, with the transformers engine and forced forks."""
     model, _ = load_model(init_dir, attn_implementation="sdpa")
     dataset, _ = rl_dataset(PROBLEMS, tokenizer, opts.prompt, opts.max_prompt_tokens)
@@ -55,7 +56,7 @@ def test_vllm_importance_sampling_correction_is_off_in_every_profile(profile, tm
     assert config.use_vllm and config.vllm_importance_sampling_correction is False
 
 
-def test_forked_rollouts_keep_loss_weight_one_under_the_vllm_config(init_dir, tmp_path, tokenizer):
+def test_forked_rollouts_keep_loss_weight_one_under_the_vllm_config(init_dir, tmp_path, tokenizer):  # noqa: F811
     """TRL scores a vLLM batch with the project's config: no importance-sampling weight, so every
     rollout, forked or not, enters the loss with weight 1. Under TRL's default the forked rollouts,
     whose second path was sampled without seeing the first, get a weight far from 1."""
@@ -76,7 +77,8 @@ def test_forked_rollouts_keep_loss_weight_one_under_the_vllm_config(init_dir, tm
     torch.manual_seed(0)
     scored = trainer._generate_and_score_completions(batch)
     weights = scored["importance_sampling_ratio"][:, 0]
-    forked = torch.tensor([bool((row == trainer.tags.parallel_open).any()) for row in scored["completion_ids"]])
+    forked = torch.tensor([bool((row == trainer.tags.parallel_open).any())
+                           for row in scored["completion_ids"]])
     assert forked.any() and (weights[forked] - 1).abs().min() > 0.5
 
 
@@ -88,7 +90,8 @@ def test_forked_rollouts_keep_loss_weight_one_under_the_vllm_config(init_dir, tm
     (512, 256, 8, 8, 8, (8, 32, 64, 4096)),  # DAPO on 8 GPUs: 2 updates of 2048 completions
     (1024, 512, 5, 8, 8, (8, 40, 80, 5120)),  # GSM8K on 8 GPUs
 ])
-def test_mini_batches_make_several_updates_per_rollout_batch(batch, mini, generations, micro, processes, expected):
+def test_mini_batches_make_several_updates_per_rollout_batch(batch, mini, generations, micro, processes,
+                                                             expected):
     rl = {**RL, "per_device_batch_size": micro, "datasets": {"gsm8k": {
         "batch_size": batch, "mini_batch_size": mini, "num_generations": generations, "max_steps": 3}}}
     opts = options(rl)
@@ -107,8 +110,10 @@ def test_paper_profile_makes_two_updates_per_step_and_counts_steps_in_rollout_ba
 
 
 def test_mini_batch_that_does_not_divide_the_batch_is_a_one_line_error():
-    rl = {**RL, "datasets": {"gsm8k": {"batch_size": 4, "mini_batch_size": 3, "num_generations": 2, "max_steps": 1}}}
-    with pytest.raises(PipelineError, match=r"rl_datasets.gsm8k.mini_batch_size: 3 does not divide batch_size 4"):
+    rl = {**RL, "datasets": {"gsm8k": {"batch_size": 4, "mini_batch_size": 3, "num_generations": 2,
+                                       "max_steps": 1}}}
+    with pytest.raises(PipelineError,
+                       match=r"rl_datasets.gsm8k.mini_batch_size: 3 does not divide batch_size 4"):
         options(rl)
 
 
@@ -149,9 +154,11 @@ class RatioAtSecondUpdate(TrainerCallback):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["seen", "unseen"])
-def test_second_update_of_a_rollout_batch_has_ratio_off_one_and_clips(variant, init_dir, tmp_path, tokenizer):
+def test_second_update_of_a_rollout_batch_has_ratio_off_one_and_clips(variant, init_dir,  # noqa: F811
+                                                                       tmp_path, tokenizer):
     rl = {**RL, "lr": 0.05, "per_device_batch_size": 4,
-          "datasets": {"gsm8k": {"batch_size": 2, "mini_batch_size": 1, "num_generations": 4, "max_steps": 1}}}
+          "datasets": {"gsm8k": {"batch_size": 2, "mini_batch_size": 1, "num_generations": 4,
+                                 "max_steps": 1}}}
     opts = options(rl, variant=variant, epsilon_high=0.28)
     probe = RatioAtSecondUpdate()
     trainer = trainer_with(opts, init_dir, tmp_path, tokenizer, callbacks=[probe])
@@ -163,7 +170,8 @@ def test_second_update_of_a_rollout_batch_has_ratio_off_one_and_clips(variant, i
     assert first["clip_ratio/region_mean"] == 0.0  # first update: ratio exactly 1
     assert probe.deviation is not None and probe.deviation > 0.2
     assert second["clip_ratio/region_mean"] > 0.0  # the clip acts on the second update
-    assert [r["step"] for r in step_records(trainer.state.log_history, "parallel_only", updates_per_step=2)] == [1]
+    assert [r["step"] for r in step_records(trainer.state.log_history, "parallel_only",
+                                            updates_per_step=2)] == [1]
 
 
 # ---------------------------------------------------------------------------------- 7. engine: auto
@@ -200,7 +208,7 @@ def test_only_the_main_process_of_a_launch_tracks(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------- 6. end-of-turn stop
 
 
-def test_rollouts_of_a_base_model_stop_at_the_chat_templates_end_of_turn(init_dir, tokenizer):
+def test_rollouts_of_a_base_model_stop_at_the_chat_templates_end_of_turn(init_dir, tokenizer):  # noqa: F811
     """Qwen3-4B-Base's tokenizer ends text with `<|endoftext|>`; its chat-templated answers end
     with `<|im_end|>`, which must end the rollout (and evaluation, which builds the same engine)."""
     import copy
@@ -217,7 +225,8 @@ def test_rollouts_of_a_base_model_stop_at_the_chat_templates_end_of_turn(init_di
     model, _ = load_model(init_dir)
     prompt = base(render_prompt(base, "What is 2 + 3?"), add_special_tokens=False)["input_ids"]
     forced = ForcedTurnEnd(len(prompt), im_end)
-    engine = transformers_engine(model, base, RolloutConfig(parallel=False, max_tokens=16), logits_processor=forced)
+    engine = transformers_engine(model, base, RolloutConfig(parallel=False, max_tokens=16),
+                                 logits_processor=forced)
     (rollout,) = engine.generate([prompt])
     assert rollout.completion_ids[-1] == im_end and len(rollout.completion_ids) == 3
     assert rollout.finish_reason == "stop" and not rollout.truncated
@@ -270,8 +279,10 @@ class CompletionsServer:
                 json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 tokens, reason = server.reply
                 names = [f"token_id:{t}" for t in tokens]
-                self._send({"choices": [{"token_ids": tokens, "finish_reason": reason, "prompt_token_ids": [1],
-                                         "logprobs": {"tokens": names, "token_logprobs": [-0.5] * len(tokens),
+                self._send({"choices": [{"token_ids": tokens, "finish_reason": reason,
+                                         "prompt_token_ids": [1],
+                                         "logprobs": {"tokens": names,
+                                                      "token_logprobs": [-0.5] * len(tokens),
                                                       "top_logprobs": [{n: -0.5} for n in names]}}]})
 
             def log_message(self, *args):
@@ -302,7 +313,8 @@ def test_server_segment_cut_by_the_length_limit_is_not_read_as_stopped():
 
 
 def test_server_mode_rollout_waits_for_every_process_first(tokenizer):
-    """Rank 0 pushes weights to `trl vllm-serve` in TRL's sync; the rollout must start after it on every rank."""
+    """Rank 0 pushes weights to `trl vllm-serve` in TRL's sync; the rollout must start after it on every
+    rank."""
     from types import SimpleNamespace
 
     from parallel_r1.training.rollout import make_rollout_func
@@ -314,7 +326,8 @@ def test_server_mode_rollout_waits_for_every_process_first(tokenizer):
             events.append("generate")
             return []
 
-    trainer = SimpleNamespace(vllm_generation=SimpleNamespace(mode="server"), state=SimpleNamespace(global_step=0),
+    trainer = SimpleNamespace(vllm_generation=SimpleNamespace(mode="server"),
+                              state=SimpleNamespace(global_step=0),
                               accelerator=SimpleNamespace(wait_for_everyone=lambda: events.append("barrier")))
     rollout = make_rollout_func(lambda t: Engine(), tokenizer)
     rollout(["What is 2 + 3?"], trainer)
@@ -387,7 +400,8 @@ def test_replicated_training_refuses_qwen3_4b_on_an_80gb_gpu_and_names_the_shard
     from parallel_r1.training.memory import check_replicated_fits
 
     gpu = 80 * 2**30
-    with pytest.raises(PipelineError, match="60 GiB .*more than the 56 GiB .*configs/fsdp.yaml or configs/zero3.yaml"):
+    with pytest.raises(PipelineError,
+                       match="60 GiB .*more than the 56 GiB .*configs/fsdp.yaml or configs/zero3.yaml"):
         check_replicated_fits(4_022_468_096, gpu, 0.3, "rl@parallel_r1_seen")  # Qwen3-4B-Base, vLLM 0.3
     check_replicated_fits(1_000_000_000, gpu, 0.3, "rl@small")  # 15 GiB: DDP is fine
 
@@ -404,8 +418,8 @@ def test_an_fsdp_launch_that_accelerate_runs_as_plain_data_parallel_stops_with_o
         return SimpleNamespace(accelerator=SimpleNamespace(distributed_type=kind))
 
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    with pytest.raises(PipelineError, match=r"^sft@unseen: the launch config asks for FSDP, but accelerate runs "
-                                            r"MULTI_CPU here .*configs/cpu2.yaml$"):
+    with pytest.raises(PipelineError, match=r"^sft@unseen: the launch config asks for FSDP, but accelerate "
+                                            r"runs MULTI_CPU here .*configs/cpu2.yaml$"):
         check_sharding_active(trainer(DistributedType.MULTI_CPU), "sft@unseen")
     check_sharding_active(trainer(DistributedType.FSDP), "sft@unseen")
     monkeypatch.delenv("ACCELERATE_USE_FSDP")

@@ -59,7 +59,8 @@ def test_paper_profile_rl_matches_the_paper(paper, reference):
     assert paper["rl"]["warmup_ratio"] == 0.0 and paper["rl"]["lr_scheduler"] == "constant"
     assert paper["rl"]["beta"] == 0.0 and paper["rl"]["epsilon"] == 0.2
     assert paper["rl_runs"]["parallel_r1_unseen_s2"]["epsilon_high"] == 0.28
-    assert (paper["rl"]["max_completion_tokens"], paper["rl"]["num_paths"], paper["rl"]["max_blocks"]) == (3000, 2, 4)
+    assert (paper["rl"]["max_completion_tokens"], paper["rl"]["num_paths"],
+            paper["rl"]["max_blocks"]) == (3000, 2, 4)
 
 
 def test_paper_profile_rewards_and_eval_match_the_paper(paper, reference):
@@ -69,20 +70,24 @@ def test_paper_profile_rewards_and_eval_match_the_paper(paper, reference):
     assert paper["reward_schedules"]["scaffold"] == {**paper["reward_schedules"]["alternating"],
                                                      "switch_step": reference["scaffold"]["switch_step"]}
     assert rewards["window"] == hyper["s2_alternating"]["window_steps"]
-    assert 1 - rewards["tiered_steps"] / rewards["window"] == pytest.approx(hyper["s2_alternating"]["accuracy_share"])
-    assert (rewards["tiered_parallel_reward"], rewards["tiered_correct_reward"], rewards["incorrect_reward"]) == (
-        tiered["correct_with_parallel"], tiered["correct_without_parallel"], tiered["otherwise"])
+    assert (1 - rewards["tiered_steps"] / rewards["window"]
+            == pytest.approx(hyper["s2_alternating"]["accuracy_share"]))
+    assert (rewards["tiered_parallel_reward"], rewards["tiered_correct_reward"],
+            rewards["incorrect_reward"]) == (tiered["correct_with_parallel"],
+                                             tiered["correct_without_parallel"], tiered["otherwise"])
     evaluate = paper["evaluate"]
     assert evaluate["temperature"] == hyper["eval"]["temperature"]
     assert evaluate["benchmarks"]["math"]["k"] == hyper["eval"]["math_samples"]
-    assert {evaluate["benchmarks"][b]["k"] for b in ("aime24", "aime25", "amc23")} == {hyper["eval"]["other_samples"]}
+    assert ({evaluate["benchmarks"][b]["k"] for b in ("aime24", "aime25", "amc23")}
+            == {hyper["eval"]["other_samples"]})
     assert paper["model"]["base"] == reference["base_model"]
     assert paper["generate"]["teacher"] == reference["teacher_model"]
 
 
 def keys(tree: dict, where: str = "") -> set[str]:
     return {path for key, value in tree.items()
-            for path in (keys(value, f"{where}{key}.") if isinstance(value, dict) and value else {f"{where}{key}"})}
+            for path in (keys(value, f"{where}{key}.") if isinstance(value, dict) and value
+                         else {f"{where}{key}"})}
 
 
 def without_run_overrides(found: set[str]) -> set[str]:
@@ -90,7 +95,8 @@ def without_run_overrides(found: set[str]) -> set[str]:
     a profile sets them only for the runs it trains differently (the small profile's runs that can move)."""
     from stages.rl import RUN_OVERRIDES
 
-    return {key for key in found if not (key.startswith("rl_runs.") and key.rsplit(".", 1)[1] in RUN_OVERRIDES)}
+    return {key for key in found
+            if not (key.startswith("rl_runs.") and key.rsplit(".", 1)[1] in RUN_OVERRIDES)}
 
 
 @pytest.mark.parametrize(("profile", "base"), [("tiny", "tiny"), ("small", "smollm2-135m-instruct")])
@@ -110,7 +116,8 @@ def test_profile_files_are_the_profiles_and_each_names_itself():
 
 
 def test_committed_params_yaml_is_the_default_profiles_composition():
-    # params.yaml is generated from conf/ (stages/profiles.py); DVC and the stages read it, so it must not drift
+    # params.yaml is generated from conf/ (stages/profiles.py); DVC and the stages read it, so it must not
+    # drift
     assert load_params(REPO / "params.yaml")["profile"] == "small"
     assert edits(REPO) == []
 
@@ -121,8 +128,10 @@ def test_switching_profile_refuses_to_drop_a_hand_edit(tmp_path):
     shutil.copytree(REPO / "conf", tmp_path / "conf")
     switch(tmp_path, "tiny")
     text = (tmp_path / "params.yaml").read_text()
-    (tmp_path / "params.yaml").write_text(text.replace("max_completion_tokens: 48", "max_completion_tokens: 40"))
-    with pytest.raises(PipelineError, match=r"^params.yaml: 1 value\(s\) differ from its profile's composition "
+    (tmp_path / "params.yaml").write_text(text.replace("max_completion_tokens: 48",
+                                                       "max_completion_tokens: 40"))
+    with pytest.raises(PipelineError, match=r"^params.yaml: 1 value\(s\) differ from its profile's "
+                                            r"composition "
                                             r"\(first: rl.max_completion_tokens\)"):
         switch(tmp_path, "paper")
     assert "max_completion_tokens: 40" in (tmp_path / "params.yaml").read_text()   # nothing lost
@@ -136,7 +145,8 @@ def test_differences_name_changed_added_and_missing_keys():
 
 
 def test_unknown_profile_is_one_line():
-    with pytest.raises(PipelineError, match=r"^conf/profile/huge.yaml: no such profile \(choose from paper, small, tiny\)"):
+    with pytest.raises(PipelineError,
+                       match=r"^conf/profile/huge.yaml: no such profile \(choose from paper, small, tiny\)"):
         compose(REPO, "huge")
 
 

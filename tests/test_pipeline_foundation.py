@@ -1,4 +1,5 @@
-"""`dvc repro` of the foundation stages (prepare, generate, filter, validate, Table 1) in a copy of the repo."""
+"""`dvc repro` of the foundation stages (prepare, generate, filter, validate, Table 1) in a copy of the
+repo."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ pytestmark = pytest.mark.slow
 def dvc(repo: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "PARALLEL_R1_TRACKING": "off"}
-    return subprocess.run([sys.executable, "-m", "dvc", *args], cwd=repo, env=env, capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "dvc", *args], cwd=repo, env=env, capture_output=True,
+                          text=True)
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +74,7 @@ def test_zero_row_sft_set_stops_the_filter(pipeline, tmp_path):
         result = subprocess.run([sys.executable, "-m", "stages.filter"], cwd=pipeline, env=env,
                                 capture_output=True, text=True)
         assert result.returncode == 1
-        assert result.stderr.strip().splitlines()[-1].startswith("error: data/teacher/gsm8k.jsonl: the filter kept 0")
+        assert result.stderr.strip().splitlines()[-1].startswith(
+            "error: data/teacher/gsm8k.jsonl: the filter kept 0")
     finally:
         teacher.write_text(original)

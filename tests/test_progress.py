@@ -1,4 +1,5 @@
-"""One progress line per SFT / GRPO step (parallel_r1/training/progress.py) instead of transformers' log dicts."""
+"""One progress line per SFT / GRPO step (parallel_r1/training/progress.py) instead of transformers' log
+dicts."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ def test_rl_lines_one_per_rollout_step_with_the_step_metrics():
     callback = StepLines("rl@run", "rl", updates_per_step=2, groups=2, write=lines.append)
     args, control = TrainingArguments(output_dir="unused", report_to=[]), TrainerControl()
     callback.on_train_begin(args, state(0, 8), control)
-    step = {"reward": 0.5, "accuracy": 0.0, "parallel_ratio": 0.75, "path_diversity": 0.41, "reward_std": 0.96,
-            "frac_reward_zero_std": 0.5, "rollout_tokens_per_s": 74.2}
+    step = {"reward": 0.5, "accuracy": 0.0, "parallel_ratio": 0.75, "path_diversity": 0.41,
+            "reward_std": 0.96, "frac_reward_zero_std": 0.5, "rollout_tokens_per_s": 74.2}
     callback.on_log(args, state(1, 8), control, logs=step)
     callback.on_log(args, state(2, 8), control, logs={"loss": 0.1})   # the step's second update: no line
     callback.on_log(args, state(3, 8), control, logs={**step, "path_diversity": None})

@@ -22,7 +22,8 @@ EXTRA_MODELS = ("parallel_r1_seen_without_gsm8k_rl", "parallel_r1_unseen_s1_with
 SHAPE = {"aime25": (16, 2), "aime24": (16, 2), "amc23": (16, 2), "math": (1, 4)}
 
 
-def bench_metrics(model: str, bench: str, mean: float = 0.1, ratio: float = 0.0, profile: str = "tiny") -> dict:
+def bench_metrics(model: str, bench: str, mean: float = 0.1, ratio: float = 0.0,
+                  profile: str = "tiny") -> dict:
     k, problems = SHAPE[bench]
     return {"model": model, "benchmark": bench, "profile": profile, "k": k, "n_problems": problems,
             "n_samples": k * problems, "mean_at_k": mean, "pass_at_k": min(1.0, 2 * mean),
@@ -77,7 +78,8 @@ def test_table2_lists_every_paper_row_with_the_papers_numbers():
     markdown = reports.table2(fixture_metrics(), TABLE2_MODELS, "tiny")
     for key, values in reports.paper_results()["table2_main"]["rows"].items():
         cells = table_row(markdown, "", reports.ROW_LABELS[key])
-        assert cells[1].endswith(f"`models/{TABLE2_MODELS[key]}`") or cells[1].endswith(f"`models/{TABLE2_MODELS[key]}`)")
+        assert (cells[1].endswith(f"`models/{TABLE2_MODELS[key]}`")
+                or cells[1].endswith(f"`models/{TABLE2_MODELS[key]}`)"))
         assert [c.split("(")[1].rstrip(")") for c in cells[2:]] == [f"{v:.1f}" for v in values]
 
 
@@ -106,7 +108,7 @@ def test_table2_states_profile_and_sample_counts():
 def test_paper_avg_column_follows_its_avg_definition():
     table = reports.paper_results()["table2_main"]
     for key, values in table["rows"].items():
-        row = dict(zip(table["columns"], values))
+        row = dict(zip(table["columns"], values, strict=False))
         assert sum(row[c] for c in reports.AVG_COLUMNS) / 4 == pytest.approx(row["avg"], abs=0.051), key
 
 
@@ -150,7 +152,8 @@ def test_ablation_training_shows_each_row_and_paper_avg():
 def test_ablation_prompt_compares_avg_and_aime25():
     markdown = reports.ablation_prompt(fixture_metrics(), profile="tiny")
     cells = table_row(markdown, "", reports.ROW_LABELS["without_prompt"])
-    assert cells[1:] == ["`models/parallel_r1_seen_without_prompt`", "10.0", "47.1", "-37.1", "10.0", "20.4", "-10.4"]
+    assert cells[1:] == ["`models/parallel_r1_seen_without_prompt`", "10.0", "47.1", "-37.1", "10.0", "20.4",
+                         "-10.4"]
 
 
 def test_ablation_reward_leaves_cells_the_paper_lacks_empty():
@@ -169,16 +172,17 @@ def test_ablation_reward_leaves_cells_the_paper_lacks_empty():
 def test_table1_states_source_and_paper_valid_rate():
     filter_metrics = {
         "gsm8k": {"dataset": "gsm8k", "source": "released", "model": "deepseek-ai/DeepSeek-R1-0528-Qwen3-8B",
-                  "examples": 10, "valid": 8, "valid_pct": 80.0, "reasons": {"too_few_paths": 1, "unclosed_tag": 1},
-                  "kept": 7, "dropped_no_numeric_answer": 1, "dropped_token_cap": 0},
+                  "examples": 10, "valid": 8, "valid_pct": 80.0,
+                  "reasons": {"too_few_paths": 1, "unclosed_tag": 1}, "kept": 7,
+                  "dropped_no_numeric_answer": 1, "dropped_token_cap": 0},
         "dapo": {"dataset": "dapo", "source": "model", "model": "base", "examples": 5, "valid": 0,
                  "valid_pct": 0.0, "reasons": {"no_parallel_block": 5}, "kept": 0,
                  "dropped_no_numeric_answer": 0, "dropped_token_cap": 0},
     }
     markdown = reports.table1(filter_metrics, "tiny")
     gsm8k = table_row(markdown, "", "gsm8k")
-    assert gsm8k[:7] == ["gsm8k", "released generations of deepseek-ai/DeepSeek-R1-0528-Qwen3-8B", "10 (7472)",
-                         "8", "80.0", "83.7", "-3.7"]
+    assert gsm8k[:7] == ["gsm8k", "released generations of deepseek-ai/DeepSeek-R1-0528-Qwen3-8B",
+                         "10 (7472)", "8", "80.0", "83.7", "-3.7"]
     dapo = table_row(markdown, "", "dapo")
     assert dapo[1] == "model: base" and dapo[4:] == ["0.0", "0.0", "0.0", "no_parallel_block: 5"]
     assert "profile: tiny" in markdown
@@ -197,8 +201,8 @@ def assert_png(path: Path) -> None:
 def test_figure3_draws_runs_with_gaps_for_steps_without_blocks(tmp_path):
     steps = [{"step": s, "parallel_position": p} for s, p in [(1, 0.2), (2, None), (3, 0.4), (4, 0.5)]]
     out = tmp_path / "fig3.png"
-    reports.figure3_parallel_position({"seen": steps, "unseen": [{"step": 1, "parallel_position": None}]}, out,
-                                        profile="tiny")
+    reports.figure3_parallel_position({"seen": steps, "unseen": [{"step": 1, "parallel_position": None}]},
+                                      out, profile="tiny")
     assert_png(out)
 
 
@@ -262,7 +266,8 @@ def test_stage_draws_both_figures(project):
     for run in ("parallel_r1_seen", "parallel_r1_unseen_s1", "parallel_r1_unseen_s2"):
         path = project / "metrics" / "rl" / run / "steps.json"
         path.parent.mkdir(parents=True)
-        path.write_text(json.dumps([{"step": 1, "parallel_position": 0.3}, {"step": 2, "parallel_position": None}]))
+        path.write_text(json.dumps([{"step": 1, "parallel_position": 0.3},
+                                    {"step": 2, "parallel_position": None}]))
     curve = {"benchmark": "aime25", "switch_step": 1, "k": 2,
              "points": [{"step": 1, "mean_at_k": 0.0, "pass_at_k": 0.0, "parallel_ratio": 0.5}]}
     (project / "metrics" / "curves").mkdir()
@@ -301,8 +306,9 @@ def test_table2_without_gsm8k_has_no_gsm8k_column():
 
 
 def test_rl_runs_report_counts_steps_with_a_gradient():
-    summaries = {"parallel_r1_unseen_parallel_only": {"reward": "parallel_only", "variant": "unseen", "steps": 3,
-                                                      "steps_with_reward_spread": 2, "mean_step_seconds": 40.0}}
+    summaries = {"parallel_r1_unseen_parallel_only": {"reward": "parallel_only", "variant": "unseen",
+                                                      "steps": 3, "steps_with_reward_spread": 2,
+                                                      "mean_step_seconds": 40.0}}
     steps = {"parallel_r1_unseen_parallel_only": [
         {"step": 1, "reward": -0.5, "parallel_ratio": 0.25, "accuracy": 0.0, "path_diversity": 0.6},
         {"step": 2, "reward": 0.0, "parallel_ratio": 0.5, "accuracy": 0.0, "path_diversity": None},
@@ -322,5 +328,6 @@ def test_rl_runs_report_names_the_run_a_reused_run_is():
 
 
 def test_rl_runs_report_names_a_summary_missing_its_keys():
-    with pytest.raises(PipelineError, match=r"metrics/rl/x/summary.json: missing key\(s\) steps_with_reward_spread"):
+    with pytest.raises(PipelineError,
+                       match=r"metrics/rl/x/summary.json: missing key\(s\) steps_with_reward_spread"):
         reports.rl_runs({"x": {"reward": "accuracy", "variant": "seen", "steps": 2}}, {}, "small")

@@ -44,7 +44,8 @@ def test_report_compares_every_schedule_from_the_step_files(project):
     assert scaffold[:3] == ["| scaffold (S2, then accuracy-only)", "rl@scaffold", "3"]
     assert scaffold[3] == "0.400 → 1.200"  # first → last reward
     assert scaffold[5] == "—"  # parallel_ratio None in every step -> no points, not 0
-    assert "path_diversity first → last" in text and "parallel + diversity (beyond the paper's tables)" in text
+    assert ("path_diversity first → last" in text
+            and "parallel + diversity (beyond the paper's tables)" in text)
     assert "No finished runs" not in text and "metrics/rl/<run>/steps.json" in text
     assert (project / "reports" / "reward_schedules.png").read_bytes()[:4] == b"\x89PNG"
 

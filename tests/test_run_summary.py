@@ -1,4 +1,5 @@
-"""reports/run_summary.md: the machine, the stages that ran and the headline numbers, from the run's own files."""
+"""reports/run_summary.md: the machine, the stages that ran and the headline numbers, from the run's own
+files."""
 
 from datetime import datetime, timezone
 
@@ -26,7 +27,8 @@ def test_summary_lists_stage_times_and_the_runs_headline_numbers(tmp_path):
                [{"step": 1, "reward": 0.25, "parallel_ratio": 0.5, "path_diversity": 0.1},
                 {"step": 3, "reward": 0.75, "parallel_ratio": 0.75, "path_diversity": 0.3}])
     (tmp_path / "reports").mkdir()
-    (tmp_path / "reports/table2.md").write_text("# Table 2\n\ntext\n\n| Row | A |\n|---|---|\n| base | 1.0 |\n\nmore\n")
+    (tmp_path / "reports/table2.md").write_text("# Table 2\n\ntext\n\n| Row | A |\n|---|---|\n"
+                                                "| base | 1.0 |\n\nmore\n")
     runs = [{"name": "sft@seen", "status": "FINISHED", "start_ms": 0, "end_ms": 90_000},
             {"name": "rl@parallel_only", "status": "FAILED", "start_ms": 90_000, "end_ms": None}]
     text = render(FACTS, "make-run@all", "small", 600.0, runs, tmp_path, WHEN)

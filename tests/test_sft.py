@@ -16,12 +16,25 @@ from parallel_r1.data import load_teacher_demos
 from parallel_r1.errors import PipelineError
 from parallel_r1.format import check_format
 from parallel_r1.io import read_json, write_jsonl
-from parallel_r1.models import TinyModelConfig, build_tiny_model, load_model, load_tokenizer, prepare_base_model
+from parallel_r1.models import (
+    TinyModelConfig,
+    build_tiny_model,
+    load_model,
+    load_tokenizer,
+    prepare_base_model,
+)
 from parallel_r1.prompts import render_prompt
 from parallel_r1.structure import TagIds, build_structure
 from parallel_r1.training.probe import CAUSAL_DECODING, ENGINE_DECODING, _report
-from parallel_r1.training.sft import ParallelSFTCollator, SFTOptions, batch_structure, install_structured_attention, \
-    make_trainer, sft_dataset, train_sft
+from parallel_r1.training.sft import (
+    ParallelSFTCollator,
+    SFTOptions,
+    batch_structure,
+    install_structured_attention,
+    make_trainer,
+    sft_dataset,
+    train_sft,
+)
 from stages.sft import sft_options
 
 TINY = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -77,8 +90,8 @@ def test_unseen_batch_carries_the_structure_of_build_structure(tokenizer, tags, 
 
 
 def test_truncated_sample_with_unbalanced_tags_collates(tokenizer, tags):
-    text = "intro <Parallel><Path> one </Path><Path> two </Path></Parallel><Summary> s </Summary> then </Path> " \
-           "<Parallel><Path> cut mid"
+    text = ("intro <Parallel><Path> one </Path><Path> two </Path></Parallel><Summary> s </Summary> "
+            "then </Path> <Parallel><Path> cut mid")
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     examples = [{"input_ids": ids, "labels": ids}, {"input_ids": ids[:5], "labels": ids[:5]}]
     batch = ParallelSFTCollator(tokenizer.pad_token_id, tags)(examples)
@@ -88,9 +101,11 @@ def test_truncated_sample_with_unbalanced_tags_collates(tokenizer, tags):
 
 
 def _path_batch(tokenizer, path_one: str):
-    """One sequence `ctx <Parallel><Path>path_one</Path><Path>path two</Path></Parallel>`; loss on path two."""
+    """One sequence `ctx <Parallel><Path>path_one</Path><Path>path two</Path></Parallel>`; loss on path
+    two."""
     pieces = ["Context: count apples.", "<Parallel>", "<Path>", path_one, "</Path>", "<Path>",
               " add three and four to get seven", "</Path>", "</Parallel>"]
+    ids: list[int]
     ids, spans = [], []
     for piece in pieces:
         start = len(ids)
@@ -194,8 +209,8 @@ def test_killed_unseen_run_resumes_and_saves_a_loadable_model(demos, tmp_path):
                          callbacks=[saves])
     assert saves.steps == [2]  # every save_steps (2) but the last (4): the final model is saved instead
     assert [e["loss"] for e in straight.loss_history] == pytest.approx(PINNED_UNSEEN_LOSSES, rel=1e-3)
-    assert [e["loss"] for e in result.loss_history] == pytest.approx([e["loss"] for e in straight.loss_history],
-                                                                      rel=1e-4)
+    assert [e["loss"] for e in result.loss_history] == pytest.approx(
+        [e["loss"] for e in straight.loss_history], rel=1e-4)
     assert result.examples == 8 and result.completion_tokens > 0
     assert (out / "model.safetensors").is_file() and not checkpoints.exists()
     model, tokenizer = load_model(out)
@@ -293,7 +308,8 @@ def test_sft_loss_is_each_sequences_token_mean_averaged_over_the_update(tokenize
     assert mask.sum(1)[0] != mask.sum(1)[1] and abs(per_sequence.mean() - token_mean) > 1e-4
 
 
-def test_sequence_mean_loss_is_divided_once_on_transformers_before_5_19(tokenizer, demos, tmp_path, monkeypatch):
+def test_sequence_mean_loss_is_divided_once_on_transformers_before_5_19(tokenizer, demos, tmp_path,
+                                                                        monkeypatch):
     """Before transformers 5.19 TRL 1.16 marks a self-scaled loss with a *string* compute_loss_func, which
     SFTTrainer.compute_loss then calls. The trainer undoes that and lets the Trainer divide instead: the
     back-propagated loss of one micro-batch is the same on both versions (the GPU image has 5.17)."""

@@ -62,11 +62,11 @@ def test_tags_are_single_special_tokens_through_the_chat_template(prepared):
     _, _, tokenizer, _ = prepared
     ids = tokenizer.convert_tokens_to_ids(list(TAGS))
     assert len(set(ids)) == len(TAGS) and tokenizer.unk_token_id not in ids
-    for tag, tag_id in zip(TAGS, ids):
+    for tag, tag_id in zip(TAGS, ids, strict=False):
         assert tokenizer(tag, add_special_tokens=False)["input_ids"] == [tag_id]
     text = "<Parallel><Path>a</Path><Path>b</Path></Parallel><Summary>c</Summary>"
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": text}],
-                                             tokenize=False)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"},
+                                              {"role": "assistant", "content": text}], tokenize=False)
     encoded = tokenizer(rendered, add_special_tokens=False)["input_ids"]
     assert all(encoded.count(tag_id) == 1 for tag_id in ids[:2] + ids[4:]) and encoded.count(ids[2]) == 2
     assert text in tokenizer.decode(encoded, skip_special_tokens=False)
@@ -76,7 +76,8 @@ def test_tags_are_single_special_tokens_through_the_chat_template(prepared):
 def test_tag_rows_start_at_their_spelling_mean(prepared):
     _, model, tokenizer, _ = prepared
     weight = model.get_input_embeddings().weight
-    for tag_id, pieces in zip(tokenizer.convert_tokens_to_ids(list(TAGS)), tag_piece_ids(tokenizer)):
+    for tag_id, pieces in zip(tokenizer.convert_tokens_to_ids(list(TAGS)), tag_piece_ids(tokenizer),
+                              strict=False):
         assert len(pieces) > 1 and tag_id not in pieces  # spelled with ordinary tokens, not itself
         torch.testing.assert_close(weight[tag_id], weight[pieces].mean(dim=0))
 
@@ -97,7 +98,8 @@ def test_short_seeded_sft_raises_the_tag_probability_on_held_out_demos(prepared,
     from parallel_r1.training.sft import SFTOptions, train_sft
 
     folder, model, tokenizer, _ = prepared
-    rows = [json.loads(line) for line in (mirror / "teacher_demos_gsm8k.jsonl").read_text().split("\n") if line]
+    rows = [json.loads(line) for line in (mirror / "teacher_demos_gsm8k.jsonl").read_text().split("\n")
+            if line]
     rows = [r for r in rows if PARALLEL_OPEN in r["completion"]]
     held_out = rows[-4:]
     train = sorted(rows[:-4], key=lambda r: len(r["completion"]))[:4]  # the shortest: least cut at 384 tokens
@@ -114,7 +116,8 @@ def test_short_seeded_sft_raises_the_tag_probability_on_held_out_demos(prepared,
 
 
 def test_small_model_with_a_layer_added_to_its_config_is_refused(prepared, tmp_path):
-    """Used to evaluate with the added layer at random (rc 0; transformers' "newly initialized" table only)."""
+    """Used to evaluate with the added layer at random (rc 0; transformers' "newly initialized" table
+    only)."""
     folder = tmp_path / "sft_seen"
     folder.mkdir()
     for item in prepared[0].iterdir():
@@ -126,8 +129,8 @@ def test_small_model_with_a_layer_added_to_its_config_is_refused(prepared, tmp_p
     if config.get("layer_types"):
         config["layer_types"] = [*config["layer_types"], config["layer_types"][-1]]
     (folder / "config.json").write_text(json.dumps(config))
-    message = (f"{folder}: config.json does not match the weights: tensor model.layers.{layers}.input_layernorm."
-               "weight and 8 more missing in the safetensors files")
+    message = (f"{folder}: config.json does not match the weights: tensor "
+               f"model.layers.{layers}.input_layernorm.weight and 8 more missing in the safetensors files")
     with pytest.raises(PipelineError) as error:
         load_model(folder)
     assert str(error.value) == message
@@ -138,10 +141,10 @@ def test_small_model_with_a_layer_added_to_its_config_is_refused(prepared, tmp_p
 
 
 class ForkHalfTheRollouts:
-    """The first token of even batch rows is FORK_WORD, of odd rows STOP_WORD (so every group of 4 rollouts has
-    both). FORK_WORD rollouts open `<Parallel>` after 3 tokens; the engine forks 2 paths, each closed after
-    PATH_TOKENS sampled tokens; a 1-token summary, 2 more tokens, EOS. STOP_WORD rollouts stop after 6 tokens.
-    Everything else is SmolLM2's own sampling at T = 1. Tags and EOS are banned elsewhere."""
+    """The first token of even batch rows is FORK_WORD, of odd rows STOP_WORD (so every group of 4 rollouts
+    has both). FORK_WORD rollouts open `<Parallel>` after 3 tokens; the engine forks 2 paths, each closed
+    after PATH_TOKENS sampled tokens; a 1-token summary, 2 more tokens, EOS. STOP_WORD rollouts stop after 6
+    tokens. Everything else is SmolLM2's own sampling at T = 1. Tags and EOS are banned elsewhere."""
 
     PATH_TOKENS = 8
 
@@ -175,7 +178,8 @@ class ForkHalfTheRollouts:
         scores = scores.clone()
         scores[:, self.special] = float("-inf")
         for row, sequence in enumerate(input_ids.tolist()):
-            start = len(sequence) - sequence[::-1].index(self.turn) + self.header  # after "<|im_start|>assistant\n"
+            # after "<|im_start|>assistant\n"
+            start = len(sequence) - sequence[::-1].index(self.turn) + self.header
             token = self.wanted(sequence[start:], row)
             if token is not None:
                 scores[row] = float("-inf")
@@ -231,8 +235,8 @@ class AnswerHalfTheRollouts:
         self.special = [*astuple(TagIds.from_tokenizer(tokenizer)), self.eos]
         self.turn = tokenizer.convert_tokens_to_ids("<|im_start|>")
         self.header = len(tokenizer("assistant\n", add_special_tokens=False)["input_ids"])
-        self.endings = [[*tokenizer(f"\nFinal Answer: {answer}", add_special_tokens=False)["input_ids"], self.eos]
-                        for answer in (truth, truth + 1)]
+        self.endings = [[*tokenizer(f"\nFinal Answer: {answer}", add_special_tokens=False)["input_ids"],
+                         self.eos] for answer in (truth, truth + 1)]
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         scores = scores.clone()
@@ -249,9 +253,10 @@ class AnswerHalfTheRollouts:
 
 def test_seeded_grpo_steps_on_the_generated_problems_get_an_accuracy_spread_and_move_the_weights(prepared,
                                                                                              tmp_path):
-    """Two seeded GRPO-baseline steps of SmolLM2 (accuracy reward, baseline prompt, the small profile's lr) on the
-    small profile's easy generated problems: the reward reads their ground truths, every step has a spread
-    (half of each group right), and the policy moves. Asserts what GRPO needs to learn, not how fast it runs."""
+    """Two seeded GRPO-baseline steps of SmolLM2 (accuracy reward, baseline prompt, the small profile's lr)
+    on the small profile's easy generated problems: the reward reads their ground truths, every step has a
+    spread (half of each group right), and the policy moves. Asserts what GRPO needs to learn, not how fast
+    it runs."""
     from parallel_r1.arithmetic import ArithmeticLevel, split_problems
     from parallel_r1.rewards import RewardConfig
     from parallel_r1.training.grpo import RLOptions, train_rl

