@@ -72,9 +72,11 @@ class Publication:
         return count
 
     def commit(self) -> None:
-        """Rename every temporary onto its target (a folder target is replaced whole)."""
+        """Rename every temporary onto its target (a folder target is replaced whole), each file and folder
+        in it with the mode a new one gets here (`publish_modes`)."""
         for tmp, target in self._pending:
             try:
+                publish_modes(tmp)
                 if target.is_dir() and not target.is_symlink():
                     shutil.rmtree(target)
                 os.replace(tmp, target)
@@ -90,6 +92,18 @@ class Publication:
             else:
                 tmp.unlink(missing_ok=True)
         self._pending.clear()
+
+
+def publish_modes(path: Path) -> None:
+    """Give `path` and everything under it the mode a new file or folder gets under the umask (0644/0755
+    under 022), keeping execute bits: libraries write through their own temporaries (transformers saves
+    model.safetensors as 0600), and a file's mode must not depend on who wrote it (DVC restores 0644)."""
+    mask = current_umask()
+    for item in (path, *path.rglob("*")) if path.is_dir() else (path,):
+        if item.is_symlink():
+            continue
+        executable = item.is_dir() or item.stat().st_mode & 0o111
+        item.chmod((0o777 if executable else 0o666) & ~mask)
 
 
 @contextlib.contextmanager

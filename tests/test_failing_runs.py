@@ -302,3 +302,27 @@ def test_run_of_a_killed_stage_restored_from_the_run_cache_is_closed(tmp_path, m
     assert [run.info.run_name
             for run in client.search_runs([experiment], "")] == ["make-run@filter", "filter"]
     assert client.get_run(orphan.info.run_id).info.status == "KILLED"
+
+
+def test_published_files_get_one_mode_whoever_wrote_them(tmp_path):
+    """A library that saves through its own 0600 temporary (transformers' model.safetensors) publishes with
+    the mode any new file gets under the umask, as DVC's restored copies have; execute bits stay."""
+    import os
+
+    from parallel_r1.io import atomic_path, current_umask
+
+    with atomic_path(tmp_path / "model", is_dir=True) as folder:
+        weights = folder / "model.safetensors"
+        weights.write_bytes(b"w")
+        weights.chmod(0o600)
+        (folder / "steps").mkdir(mode=0o700)
+        (folder / "steps" / "config.json").write_text("{}")
+        os.chmod(folder / "steps" / "config.json", 0o600)
+        (folder / "run.sh").write_text("#!/bin/sh\n")
+        (folder / "run.sh").chmod(0o700)
+    mask = current_umask()
+    modes = {path.relative_to(tmp_path).as_posix(): path.stat().st_mode & 0o777
+             for path in (tmp_path / "model", *sorted((tmp_path / "model").rglob("*")))}
+    assert modes == {"model": 0o777 & ~mask, "model/model.safetensors": 0o666 & ~mask,
+                     "model/run.sh": 0o777 & ~mask, "model/steps": 0o777 & ~mask,
+                     "model/steps/config.json": 0o666 & ~mask}
