@@ -101,25 +101,13 @@ def test_prepare_data_writes_the_small_profiles_sets(tmp_path, monkeypatch, mirr
      "error: params.yaml data.rl.dapo.split: 'test' is unknown (choose from train, heldout)"),
     ("data.arithmetic.levels.hard.operand_max", "1",
      "error: params.yaml data.arithmetic.levels.hard.operand_min: 2 is above operand_max 1"),
-])
-def test_a_bad_arithmetic_param_is_named_in_one_line(tmp_path, monkeypatch, capsys, param, value, message):
-    from stages.prepare_data import main
-
-    params = write_profile_params(tmp_path, "small")
-    set_param(params, param, value)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PARALLEL_R1_TRACKING", "off")
-    assert one_line_error(main, capsys, []) == message
-
-
-@pytest.mark.parametrize(("param", "value", "message"), [
     ("data.arithmetic.heldout", "100000",
      "error: params.yaml data.arithmetic.heldout: 100000 questions must be >= 1 and leave some of level "
      "'easy''s 2304 for training"),
     ("data.arithmetic.seed", "x",
      "error: params.yaml data.arithmetic.seed: must be an integer >= 0, got 'x'"),
 ])
-def test_a_bad_split_param_is_named_in_one_line(tmp_path, monkeypatch, capsys, param, value, message):
+def test_a_bad_arithmetic_param_is_named_in_one_line(tmp_path, monkeypatch, capsys, param, value, message):
     from stages.prepare_data import main
 
     params = write_profile_params(tmp_path, "small")
