@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 import yaml
 
@@ -68,16 +68,17 @@ NEEDS_A_CORRECT_ANSWER = ("accuracy", "parallel_times_accuracy", "tiered", "alte
 PROFILE_NOTES = {
     "small": "SmolLM2-135M-Instruct on a CPU, minutes of SFT and of RL. What it shows: the model learns "
              "the parallel format in SFT (parallel ratio, block position, path diversity); RL trains on "
-             "generated one-step word problems with single-digit numbers (additions for the GSM8K stage, "
-             "additions and subtractions for the DAPO stage: data.arithmetic), which this model solves "
+             "generated one-step additions of single-digit numbers in words (2-5 for the GSM8K stage, "
+             "2-9 for the DAPO stage: data.arithmetic), which this model solves "
              "some of the time, so the accuracy rewards get a spread and the paper's comparisons (GRPO "
-             "baseline, S1 accuracy, S2 alternating, parallel-only and the diversity reward) train ten "
-             "updates each; reports/heldout.md compares the SFT-initialised ones with their init on 64 "
+             "baseline, S1 accuracy, S2 alternating and the diversity reward) train eight updates on 64 "
+             "rollouts each; reports/heldout.md compares the SFT-initialised ones with their init on 64 "
              "held-out problems (paired bootstrap) and reports/reward_schedules.md puts their curves side "
              "by side (docs/rl_small_profile.md). What it cannot show: the paper's accuracies -- a 135M "
              "model scores ~0 on AIME/AMC/MATH and GSM8K (one problem each, eight of GSM8K: honest zeros),"
-             " and the other RL runs (Seen, the training-stage and prompt ablations, scaffold) run 1-2 "
-             "steps as mechanics checks, all that a one-hour run on two cores affords",
+             " and the other RL runs (Seen, the training-stage, prompt and parallel-only ablations, "
+             "scaffold) run 1-2 steps as mechanics checks and are not evaluated, all that a one-hour run "
+             "on two cores affords",
     "tiny": "a random-init tiny model; accuracies are not comparable to the paper, "
             "every cell is computed by the real pipeline",
     "paper": "the paper's settings; numbers are comparable to the paper's",
@@ -218,9 +219,34 @@ def model_scores(eval_metrics: Mapping[str, Mapping[str, dict]], model: str, pro
     return scores
 
 
-def _extra_columns(scores: Mapping[str, dict]) -> list[str]:
-    """`<bench>_mean` columns every row has (GSM8K when evaluated for all rows)."""
-    return [f"{b}_mean" for b in EXTRA_BENCHMARKS if all(f"{b}_mean" in s for s in scores.values())]
+def _extra_columns(scores: Mapping[str, dict | None]) -> list[str]:
+    """`<bench>_mean` columns every evaluated row has (GSM8K when evaluated for all of them)."""
+    evaluated = [s for s in scores.values() if s is not None]
+    return [f"{b}_mean" for b in EXTRA_BENCHMARKS if evaluated and all(f"{b}_mean" in s for s in evaluated)]
+
+
+def _row_scores(eval_metrics: Mapping[str, Mapping[str, dict]], rows: Mapping[str, str], profile: str,
+                report: str, not_evaluated: Collection[str]) -> dict[str, dict | None]:
+    """Each row's `model_scores`; None for a row whose model the profile does not evaluate
+    (`not_evaluated`: not in params.yaml evaluate.models), which the table shows as such instead of
+    failing on its missing metric files."""
+    return {key: None if model in not_evaluated else model_scores(eval_metrics, model, profile, report)
+            for key, model in rows.items()}
+
+
+def _score(scores: Mapping[str, dict | None], key: str, col: str) -> float | None:
+    row = scores[key]
+    return None if row is None else row[col]
+
+
+def _not_evaluated_note(rows: Mapping[str, str], not_evaluated: Collection[str]) -> list[str]:
+    skipped = [model for model in rows.values() if model in not_evaluated]
+    if not skipped:
+        return []
+    return ["", f"Not evaluated on this profile: {', '.join(f'`models/{m}`' for m in skipped)} -- not in "
+                "params.yaml `evaluate.models` (their cells read —). On the small profile these are RL runs "
+                "of one or two steps, mechanics checks whose training is in reports/rl_runs.md; their "
+                "evaluations would cost the budget the comparisons train with."]
 
 
 def _ks(eval_metrics: Mapping[str, Mapping[str, dict]], models: Sequence[str]) -> dict[str, set[int]]:
@@ -243,6 +269,8 @@ def _column_header(col: str, ks: Mapping[str, set[int]]) -> str:
 
 
 def _sample_counts(eval_metrics: Mapping[str, Mapping[str, dict]], models: Sequence[str]) -> str:
+    if not models:
+        return "Samples per model: none (no row's model is evaluated on this profile)."
     parts = []
     for bench in (*BENCHMARKS, *EXTRA_BENCHMARKS):
         if not all(bench in eval_metrics[m] for m in models):
@@ -269,10 +297,13 @@ def _header_lines(title: str, profile: str, notes: Sequence[str]) -> list[str]:
     return [f"# {title}", "", banner(profile), "", *notes, ""]
 
 
-def _details_table(rows: Mapping[str, str], scores: Mapping[str, dict]) -> list[str]:
+def _details_table(rows: Mapping[str, str], scores: Mapping[str, dict | None]) -> list[str]:
     body = []
     for key, model in rows.items():
         score = scores[key]
+        if score is None:
+            body.append([ROW_LABELS.get(key, key), f"`models/{model}`", "not evaluated", "—", "—", "—", "—"])
+            continue
         position, diversity = score["parallel_position"], score["path_diversity"]
         body.append([ROW_LABELS.get(key, key), f"`models/{model}`", str(score["n_samples"]),
                      str(score["truncated"]),
@@ -321,16 +352,18 @@ def table1(filter_metrics: Mapping[str, dict], profile: str) -> str:
 
 
 def table2(eval_metrics: Mapping[str, Mapping[str, dict]], rows: Mapping[str, str], profile: str,
-           base_model_label: str = "Qwen3-4B-Base") -> str:
+           base_model_label: str = "Qwen3-4B-Base", not_evaluated: Collection[str] = ()) -> str:
     """Table 2: the eight main rows; cells "ours (paper)" and a Δ table below.
 
     "Row (paper)" is the paper's row; "Ours" names the model that fills it on this profile: the base
-    model by `base_model_label`, every other row by its folder (trained from that base model)."""
+    model by `base_model_label`, every other row by its folder (trained from that base model). Rows whose
+    model is in `not_evaluated` read "—"."""
     paper = paper_results()["table2_main"]
     columns, paper_rows = paper["columns"], paper["rows"]
     _check_rows(rows, paper_rows, "table2")
-    scores = {key: model_scores(eval_metrics, model, profile, "table2") for key, model in rows.items()}
-    ks = _ks(eval_metrics, list(rows.values()))
+    scores = _row_scores(eval_metrics, rows, profile, "table2", not_evaluated)
+    evaluated = [model for model in rows.values() if model not in not_evaluated]
+    ks = _ks(eval_metrics, evaluated)
     extra = _extra_columns(scores)
     headers = ["Row (paper)", "Ours"] + [_column_header(c, ks) for c in columns]
     ours_rows, delta_rows = [], []
@@ -338,9 +371,9 @@ def table2(eval_metrics: Mapping[str, Mapping[str, dict]], rows: Mapping[str, st
         ref = dict(zip(columns, paper_rows[key], strict=True))
         ours = f"{base_model_label} (`models/{model}`)" if model == "base" else f"`models/{model}`"
         label = [ROW_LABELS.get(key, key), ours]
-        ours_rows.append(label + [f"{_pct(scores[key][c])} ({_pct(ref[c])})" for c in columns]
-                         + [_pct(scores[key][c]) for c in extra])
-        delta_rows.append(label + [delta(scores[key][c], ref[c]) for c in columns])
+        ours_rows.append(label + [f"{_pct(_score(scores, key, c))} ({_pct(ref[c])})" for c in columns]
+                         + [_pct(_score(scores, key, c)) for c in extra])
+        delta_rows.append(label + [delta(_score(scores, key, c), ref[c]) for c in columns])
     lines = _header_lines("Table 2 — Main results", profile, [
         "Percentages. Cells: **ours (paper)**. mean@k = accuracy averaged over k samples per problem, "
         "pass@k = unbiased estimator; temperature 1.0; the paper's cells are mean@16 / pass@16 and MATH "
@@ -350,7 +383,7 @@ def table2(eval_metrics: Mapping[str, Mapping[str, dict]], rows: Mapping[str, st
         "= 1 − mean pairwise word-level similarity of a block's paths (beyond the paper; 0 = copies). "
         "Avg. = mean of AIME25 mean, AIME24 mean, AMC23 mean and MATH mean@1 (the paper's definition; "
         "its text gives 4.6 for the base model, its table 6.6, which matches its cells).",
-        "", _sample_counts(eval_metrics, list(rows.values())),
+        "", _sample_counts(eval_metrics, evaluated), *_not_evaluated_note(rows, not_evaluated),
     ])
     lines += _table(headers + [_column_header(c, ks) for c in extra], ours_rows)
     lines += ["", "## Δ = ours − paper (percentage points)", ""] + _table(headers, delta_rows)
@@ -361,13 +394,14 @@ def table2(eval_metrics: Mapping[str, Mapping[str, dict]], rows: Mapping[str, st
 def _ablation(title: str, paper_rows: Mapping[str, Mapping[str, float]],
               eval_metrics: Mapping[str, Mapping[str, dict]],
               rows: Mapping[str, str], profile: str, report: str, note: str = "",
-              beyond: Sequence[str] = ()) -> str:
+              beyond: Sequence[str] = (), not_evaluated: Collection[str] = ()) -> str:
     """An ablation table: for each paper column, ours | paper | Δ side by side; rows in `beyond` have no
-    paper number."""
+    paper number, rows whose model is in `not_evaluated` read "—"."""
     _check_rows(rows, paper_rows, report, beyond)
     columns = list(dict.fromkeys(c for ref in paper_rows.values() for c in ref))
-    scores = {key: model_scores(eval_metrics, model, profile, report) for key, model in rows.items()}
-    ks = _ks(eval_metrics, list(rows.values()))
+    scores = _row_scores(eval_metrics, rows, profile, report, not_evaluated)
+    evaluated = [model for model in rows.values() if model not in not_evaluated]
+    ks = _ks(eval_metrics, evaluated)
     headers = ["Row", "Model"]
     for col in columns:
         headers += [f"{_column_header(col, ks)} (ours)", f"{_column_header(col, ks)} (paper)", "Δ"]
@@ -375,36 +409,38 @@ def _ablation(title: str, paper_rows: Mapping[str, Mapping[str, float]],
     for key, model in rows.items():
         cells = [ROW_LABELS.get(key, key), f"`models/{model}`"]
         for col in columns:
-            ours, ref = scores[key][col], paper_rows.get(key, {}).get(col)
+            ours, ref = _score(scores, key, col), paper_rows.get(key, {}).get(col)
             cells += [_pct(ours), _pct(ref), delta(ours, ref)]
         body.append(cells)
     lines = _header_lines(title, profile, [
         "Percentages. Δ = ours − paper in percentage points. Avg. = mean of AIME25, AIME24, AMC23 "
         "mean@k and MATH mean@1; parallel ratio over the samples of all four benchmarks." + note,
-        "", _sample_counts(eval_metrics, list(rows.values())),
+        "", _sample_counts(eval_metrics, evaluated), *_not_evaluated_note(rows, not_evaluated),
     ])
     lines += _table(headers, body) + ["", "## Sample details (ours)", ""] + _details_table(rows, scores)
     return "\n".join(lines) + "\n"
 
 
 def ablation_training(eval_metrics: Mapping[str, Mapping[str, dict]], rows: Mapping[str, str] | None = None,
-                      *, profile: str) -> str:
+                      *, profile: str, not_evaluated: Collection[str] = ()) -> str:
     """Table 3: average accuracy with and without the GSM8K RL stage, Seen and Unseen."""
     ref = {key: {"avg": value} for key, value in paper_results()["table3_training_ablation_avg"].items()}
     return _ablation("Table 3 — Training-stage ablation", ref, eval_metrics,
-                     rows or ReportOptions().ablation_training_rows, profile, "ablation_training")
+                     rows or ReportOptions().ablation_training_rows, profile, "ablation_training",
+                     not_evaluated=not_evaluated)
 
 
 def ablation_prompt(eval_metrics: Mapping[str, Mapping[str, dict]], rows: Mapping[str, str] | None = None,
-                    *, profile: str) -> str:
+                    *, profile: str, not_evaluated: Collection[str] = ()) -> str:
     """Parallel-R1-Seen trained and evaluated with and without the Parallel Thinking prompt."""
     return _ablation("Prompt ablation — Parallel-R1-Seen with and without the Parallel Thinking prompt",
                      paper_results()["prompt_ablation"], eval_metrics,
-                     rows or ReportOptions().ablation_prompt_rows, profile, "ablation_prompt")
+                     rows or ReportOptions().ablation_prompt_rows, profile, "ablation_prompt",
+                     not_evaluated=not_evaluated)
 
 
 def ablation_reward(eval_metrics: Mapping[str, Mapping[str, dict]], rows: Mapping[str, str] | None = None,
-                    *, profile: str) -> str:
+                    *, profile: str, not_evaluated: Collection[str] = ()) -> str:
     """Reward modelling for Parallel-R1-Unseen: accuracy-only, parallel-only, alternating."""
     return _ablation("Reward ablation — Parallel-R1-Unseen", paper_results()["reward_ablation_unseen"],
                      eval_metrics, rows or ReportOptions().ablation_reward_rows, profile, "ablation_reward",
@@ -412,7 +448,7 @@ def ablation_reward(eval_metrics: Mapping[str, Mapping[str, dict]], rows: Mappin
                           "'accuracy + parallel − 0.3 × self-BLEU' is beyond the paper's tables: the reward "
                           "of the authors' released code "
                           "(`math_dapo_accuracy_add_parallel_add_diversity.py`), "
-                          "with no paper number.", beyond=BEYOND_PAPER_ROWS)
+                          "with no paper number.", beyond=BEYOND_PAPER_ROWS, not_evaluated=not_evaluated)
 
 
 def rl_runs(summaries: Mapping[str, Mapping[str, Any]], steps: Mapping[str, Sequence[Mapping[str, Any]]],

@@ -4,7 +4,8 @@
     python -m stages.reports table2        # direct: table1 | table2 | ablation_training | ablation_prompt |
                                            # ablation_reward | figure3 | figure4 | reward_schedules | rl_runs
 
-Each report reads only its own inputs, so DVC gives each its own deps:
+Each report reads only its own inputs (the tables' deps are all of metrics/eval: which rows a profile
+evaluates is its `evaluate.models`, and a row it leaves out reads "not evaluated"):
 
     table1             metrics/filter/<dataset>.json            -> reports/table1.md
     table2             metrics/eval/<model>/<benchmark>.json    -> reports/table2.md
@@ -79,6 +80,13 @@ def read_eval_metrics(models: list[str]) -> dict[str, dict[str, dict]]:
     return metrics
 
 
+def not_evaluated(rows: dict[str, str], params: dict) -> list[str]:
+    """The rows' models that params.yaml `evaluate.models` leaves out (no evaluate@<model> stage); none
+    when params.yaml lists no models (every row is then read from its metric files)."""
+    evaluated = (params.get("evaluate") or {}).get("models")
+    return [] if evaluated is None else [model for model in rows.values() if model not in evaluated]
+
+
 def build(report: str, params: dict) -> Path:
     """Read the inputs of `report`, build it and write it; returns the output path."""
     options = from_mapping(reports.ReportOptions, params.get("reports", {}), "params.yaml reports")
@@ -88,14 +96,15 @@ def build(report: str, params: dict) -> Path:
         filter_metrics = {d: read_json(METRICS / "filter" / f"{d}.json") for d in options.table1_datasets}
         reports.write_markdown(out, reports.table1(filter_metrics, profile))
     elif report == "table2":
-        rows = options.table2_rows
-        reports.write_markdown(out, reports.table2(read_eval_metrics(list(rows.values())), rows, profile,
-                                                         options.base_model_label))
+        rows, skipped = options.table2_rows, not_evaluated(options.table2_rows, params)
+        metrics = read_eval_metrics([model for model in rows.values() if model not in skipped])
+        reports.write_markdown(out, reports.table2(metrics, rows, profile, options.base_model_label, skipped))
     elif report in ABLATIONS:
         build_table, key = ABLATIONS[report]
         rows = getattr(options, key)
-        reports.write_markdown(out, build_table(read_eval_metrics(list(rows.values())), rows,
-                                                profile=profile))
+        skipped = not_evaluated(rows, params)
+        metrics = read_eval_metrics([model for model in rows.values() if model not in skipped])
+        reports.write_markdown(out, build_table(metrics, rows, profile=profile, not_evaluated=skipped))
     elif report == "figure3":
         steps = {run: read_json(METRICS / "rl" / run / "steps.json") for run in options.figure3_runs}
         reports.figure3_parallel_position(steps, out, profile=profile)

@@ -103,7 +103,7 @@ def test_prepare_data_writes_the_small_profiles_sets(tmp_path, monkeypatch, mirr
      "error: params.yaml data.arithmetic.levels.hard.operand_min: 2 is above operand_max 1"),
     ("data.arithmetic.heldout", "100000",
      "error: params.yaml data.arithmetic.heldout: 100000 questions must be >= 1 and leave some of level "
-     "'easy''s 2304 for training"),
+     "'easy''s 576 for training"),
     ("data.arithmetic.seed", "x",
      "error: params.yaml data.arithmetic.seed: must be an integer >= 0, got 'x'"),
 ])

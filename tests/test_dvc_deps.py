@@ -329,6 +329,11 @@ def test_report_stages_depend_on_the_runs_their_params_name(profile):
     read = {f"metrics/rl/{run}/{name}" for run in options.reward_schedule_runs
             for name in ("steps.json", "summary.json")}
     assert read <= declared_deps("reward_schedules"), read - declared_deps("reward_schedules")
+    # the tables read the metrics of their rows' models that evaluate.models lists (the rest read "not
+    # evaluated"): all of metrics/eval, and the list itself, so a profile that evaluates more rebuilds them
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    for table in ("table2", "ablation_training", "ablation_prompt", "ablation_reward"):
+        assert "metrics/eval" in declared_deps(table) and "evaluate.models" in stages[table]["params"], table
 
 
 def test_every_stage_that_reads_validated_data_runs_after_validate():

@@ -253,6 +253,25 @@ def test_stage_missing_metric_file_fails_with_one_line(project, capsys):
     assert err.count("\n") == 1 and "metrics/eval/sft_unseen/math.json: file not found" in err
 
 
+def test_a_row_the_profile_does_not_evaluate_reads_not_evaluated(project):
+    """A model left out of evaluate.models has no metric files: its rows say so instead of failing, and the
+    sample counts are over the evaluated rows only."""
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["evaluate"] = {"models": [m for m in TABLE2_MODELS.values() if m != "parallel_r1_seen"]}
+    (project / "params.yaml").write_text(yaml.safe_dump(params))
+    for path in (project / "metrics" / "eval" / "parallel_r1_seen").iterdir():
+        path.unlink()
+    stage.main(["table2"])
+    markdown = (project / "reports" / "table2.md").read_text()
+    assert table_row(markdown, "", "Parallel-R1-Seen")[3] == "— (19.2)"
+    assert table_row(markdown, "## Sample details (ours)", "Parallel-R1-Seen")[2] == "not evaluated"
+    assert "Not evaluated on this profile: `models/parallel_r1_seen`" in markdown
+    assert table_row(markdown, "", "Parallel-R1-Unseen (S1)")[3] != "— (19.2)"
+    stage.main(["ablation_prompt"])   # both rows' models left out: a table of dashes, not an error
+    markdown = (project / "reports" / "ablation_prompt.md").read_text()
+    assert "Samples per model: none" in markdown
+
+
 def test_stage_reads_row_mapping_from_params(project):
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["reports"] = {"ablation_prompt_rows": {"with_prompt": "base", "without_prompt": "sft_seen"}}
