@@ -70,12 +70,13 @@ $(VENV)/.installed-$(STACK): pyproject.toml requirements/$(STACK).lock requireme
 	rm -f $(VENV)/.installed $(VENV)/.installed-*
 	touch $@
 
-# `make run PROFILE=paper` composes that profile into params.yaml first (stages/profiles.py; it refuses to
-# drop hand edits of params.yaml); without PROFILE, params.yaml runs as it is.
+# `make run` is the Prefect flow `reproduce` (flows/reproduce.py: one task run per DVC stage; with no
+# PREFECT_API_URL, a temporary local Prefect server over .prefect/, so `make ui` shows the run afterwards).
+# PROFILE=paper composes that profile into params.yaml first (stages/profiles.py; it refuses to drop hand
+# edits of params.yaml); without PROFILE, params.yaml runs as it is.
 PROFILE ?=
 run: setup
-	$(if $(PROFILE),$(BIN)/python -m stages.profiles $(PROFILE))
-	$(BIN)/python -m $(if $(POOL),flows.reproduce --pool $(POOL),flows.make_run)
+	$(BIN)/python -m flows.reproduce $(if $(PROFILE),--profile $(PROFILE)) $(if $(POOL),--pool $(POOL))
 
 test: setup
 	$(WITH_ALLOCATOR) $(BIN)/python -m pytest $(XDIST) --durations=20 $(PYTEST_ARGS)

@@ -1,11 +1,10 @@
 """Prefect flows around the DVC pipeline; MLflow watches every run.
 
-- `flows.reproduce`: `dvc repro` one stage per Prefect task, in DVC's order.
+- `flows.reproduce`: `dvc repro` one stage per Prefect task, in DVC's order (`make run`).
 - `flows.sweep`: configurations x reward schedules x seeds as DVC experiments, with a
   comparison table artifact.
 - `flows.serve`: both flows as deployments, so the Prefect UI can run and schedule them.
 - `flows.ui`: Prefect + MLflow servers on 127.0.0.1 with the deployments served (`make ui`).
-- `flows.make_run`: `dvc repro` under one MLflow parent run, no Prefect (`make run`).
 - `flows.workpool`: the Prefect work pool sweeps and `reproduce --pool` fan out to; `make worker`.
 - `flows.experiment`, `flows.pool_stage`: what a worker runs (one experiment; one stage), in a private
   clone, through the git and DVC remotes (`flows.remote`). docs/scale_out.md tells the whole story.

@@ -59,6 +59,22 @@ def plan_stages(targets: Iterable[str] = (), root: str | os.PathLike = ".") -> l
         raise PipelineError(f"dvc.yaml: cannot plan targets {list(targets) or 'all'}: {first}") from None
 
 
+def target_stages(targets: Iterable[str], root: str | os.PathLike = ".") -> list[str]:
+    """The addresses of the stages `targets` name (a stage, or an output path standing for the stage that
+    writes it), nothing upstream: what `dvc repro` takes as targets."""
+    from dvc.exceptions import DvcException
+    from dvc.repo import Repo
+
+    try:
+        with contextlib.chdir(root), Repo(os.fspath(root)) as repo:
+            stages = [info.stage.addressing for target in targets
+                      for info in repo.stage.collect_granular(target)]
+            return list(dict.fromkeys(stages))
+    except DvcException as err:
+        first = str(err).strip().splitlines()[0]
+        raise PipelineError(f"dvc.yaml: cannot find targets {list(targets)}: {first}") from None
+
+
 def plan_graph(targets: Iterable[str] = (), root: str | os.PathLike = ".") -> dict[str, list[str]]:
     """`plan_stages` with each stage's upstream stages (those of the plan it depends on directly), in
     DVC's order: what a scheduler needs to run independent stages at once."""
@@ -108,6 +124,65 @@ def run_dvc(args: list[str], cwd: str | os.PathLike = ".", env: Mapping[str, str
     if proc.returncode != 0:
         raise error_from_output(list(lines), f"dvc {' '.join(args)}")
     return list(lines)
+
+
+class DvcStream:
+    """One `dvc <args>` subprocess whose output is read line by line, with one line of look-ahead, so a
+    caller can hand each stage's lines to the Prefect task that stands for that stage.
+
+        with DvcStream(["repro"], root, env) as stream:
+            for line in stream: ...          # stream.push_back(line): the next read returns it again
+        # leaving the block waits for DVC and raises `error_from_output` when it failed
+    """
+
+    def __init__(self, args: list[str], cwd: str | os.PathLike = ".", env: Mapping[str, str] | None = None):
+        self.args, self.cwd, self.env = args, cwd, env
+        self.lines: deque[str] = deque(maxlen=400)   # the tail, for the one-line error
+        self._pending: list[str] = []
+        self._proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> DvcStream:
+        # Own process group: a cancelled flow run or Ctrl-C stops DVC *and* the stage command it started.
+        self._proc = subprocess.Popen([sys.executable, "-m", "dvc", *self.args], cwd=self.cwd,
+                                      env=dvc_env(self.env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, text=True, errors="replace",
+                                      start_new_session=True)
+        return self
+
+    def __iter__(self) -> DvcStream:
+        return self
+
+    def __next__(self) -> str:
+        if self._pending:
+            return self._pending.pop()
+        assert self._proc is not None and self._proc.stdout is not None  # entered, stdout=PIPE
+        raw = self._proc.stdout.readline()
+        if not raw:
+            raise StopIteration
+        line = raw.rstrip("\n")
+        self.lines.append(line)
+        return line
+
+    def push_back(self, line: str) -> None:
+        self._pending.append(line)
+
+    def error(self) -> DvcCommandError | None:
+        """After the output ended: DVC's failure as one line, or None when it succeeded."""
+        assert self._proc is not None
+        if self._proc.wait() == 0:
+            return None
+        return error_from_output(list(self.lines), f"dvc {' '.join(self.args)}")
+
+    def __exit__(self, kind, value, traceback) -> None:
+        assert self._proc is not None
+        with self._proc:
+            if kind is not None:
+                _stop_group(self._proc)
+                return
+            for _ in self:  # output nobody read
+                pass
+        if (failure := self.error()) is not None:
+            raise failure
 
 
 def dvc_json(args: list[str], cwd: str | os.PathLike = ".") -> object:

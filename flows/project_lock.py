@@ -1,12 +1,12 @@
 """One pipeline invocation at a time per project: `make run`, flows.reproduce and a profile switch hold it.
 
-    with project_lock(root):   # flows.make_run; flows.reproduce: @holds_project_lock
+    with project_lock(root):   # flows.reproduce's main (before Prefect starts) and @holds_project_lock
         ...
 
 DVC's own repo lock is not enough: `dvc repro` releases it while a stage command runs, so a second
 `dvc repro` started meanwhile runs other stages and rewrites dvc.lock next to the first. The entry
-points (flows.make_run, flows.reproduce, stages.profiles) take this lock for their whole run; a second
-one is refused in one line naming the holder. It is an flock on .dvc/tmp/pipeline.lock: the kernel
+points (flows.reproduce, which `make run` is, and stages.profiles) take this lock for their whole run; a
+second one is refused in one line naming the holder. It is an flock on .dvc/tmp/pipeline.lock: the kernel
 drops it when the holder dies (kill -9 included), so a stale lock never blocks a later run. Nested
 takes in one process (a flow switching the profile) are no-ops. A sweep (flows.sweep) does not take it: each
 of its experiments is a `dvc exp run --temp` in a temporary clone (or a worker's clone), which never writes

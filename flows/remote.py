@@ -17,6 +17,7 @@ import os
 import secrets
 import shutil
 import subprocess
+import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Collection
@@ -28,10 +29,10 @@ from parallel_r1.errors import PipelineError
 SWEEP_REF_PREFIX = "refs/sweeps/"
 
 
-def git(args: list[str], cwd: str | os.PathLike) -> str:
+def git(args: list[str], cwd: str | os.PathLike, env: dict[str, str] | None = None) -> str:
     """`git <args>` in `cwd`; stdout; a one-line PipelineError with git's own last line on failure."""
     done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, stdin=subprocess.DEVNULL,
-                          check=False)
+                          check=False, env=None if env is None else {**os.environ, **env})
     if done.returncode != 0:
         lines = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()]
         raise PipelineError(f"git {' '.join(args)} in {cwd}: {lines[-1].strip() if lines else 'failed'}")
@@ -52,19 +53,32 @@ def unique_id(kind: str) -> str:
     return f"{kind}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
 
 
-def push_baseline(root: Path, git_remote: str, run_id: str, allowed: Collection[str] = ()) -> str:
-    """Push HEAD to `refs/sweeps/<run_id>` on the git remote; returns that ref.
+def push_baseline(root: Path, git_remote: str, run_id: str, allowed: Collection[str] = (),
+                  carried: Collection[str] = ()) -> str:
+    """Push the commit the workers run to `refs/sweeps/<run_id>` on the git remote; returns that ref.
 
-    Workers run from a commit, so tracked files (but those in `allowed`) must be committed: one line
-    says which are not.
+    Workers run from a commit, so tracked files must be committed, but those in `allowed` (left behind:
+    dvc.lock) and those in `carried`: when one of these differs from HEAD, the pushed commit is HEAD plus the
+    workspace's copy of it, made aside (a private index; the branch, the index and the work tree are
+    untouched), so a run on another profile needs no hand commit of the params.yaml it composed. One line
+    says which other files are not committed.
     """
-    changed = git(["diff", "--name-only", "HEAD"], root)  # staged or not
-    files = [name for name in changed.splitlines() if name not in allowed]
+    changed = git(["diff", "--name-only", "HEAD"], root).splitlines()  # staged or not
+    files = [name for name in changed if name not in allowed and name not in carried]
     if files:
         raise PipelineError(f"work on a pool runs from a commit: commit or stash {', '.join(files[:5])}"
                             f"{' ...' if len(files) > 5 else ''} first")
+    commit = "HEAD"
+    if dirty := [name for name in changed if name in carried]:
+        with tempfile.TemporaryDirectory() as tmp:
+            index = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
+            git(["read-tree", "HEAD"], root, index)
+            git(["update-index", "--", *dirty], root, index)
+            tree = git(["write-tree"], root, index)
+        commit = git(["-c", "user.name=parallel-r1", "-c", "user.email=parallel-r1@localhost", "commit-tree",
+                      tree, "-p", "HEAD", "-m", f"{run_id}: the workspace's {', '.join(dirty)}"], root)
     ref = f"{SWEEP_REF_PREFIX}{run_id}"
-    git(["push", "--quiet", git_remote, f"HEAD:{ref}"], root)
+    git(["push", "--quiet", git_remote, f"{commit}:{ref}"], root)
     return ref
 
 

@@ -256,21 +256,25 @@ def test_prefect_server_tells_its_ui_the_api_on_the_port_it_serves(port, shell_a
 
 
 @pytest.mark.slow
-def test_make_run_nests_the_stage_runs_of_one_dvc_repro_under_one_parent_run(toy, tmp_path):
-    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}",
+def test_make_run_with_no_prefect_server_nests_the_stage_runs_under_one_parent_run(toy, tmp_path):
+    """`make run`'s command with no PREFECT_API_URL: a temporary local Prefect server, one `dvc repro`, its
+    stages' MLflow runs under the flow's parent run."""
+    env = {key: value for key, value in os.environ.items() if key != "PREFECT_API_URL"}
+    env.update(MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}",
+               PREFECT_HOME=str(tmp_path / "prefect"),
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-m", "flows.make_run", "--force", "tracked"], cwd=toy, env=env,
+    done = subprocess.run([sys.executable, "-m", "flows.reproduce", "--force", "tracked"], cwd=toy, env=env,
                           capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert "Running stage 'tracked'" in done.stdout  # DVC's output streams through
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Running stage 'tracked'" in done.stdout + done.stderr  # DVC's output, in the stage's task log
     client = MlflowClient(env["MLFLOW_TRACKING_URI"])
     experiment = client.get_experiment_by_name("toy").experiment_id
-    (parent,) = client.search_runs([experiment], filter_string="tags.flow = 'make-run'")
-    assert (parent.info.run_name, parent.info.status) == ("make-run@tracked", "FINISHED")
+    (parent,) = client.search_runs([experiment], filter_string="tags.flow = 'reproduce'")
+    assert (parent.info.run_name, parent.info.status) == ("reproduce@tracked", "FINISHED")
     stage_runs = client.search_runs([experiment], filter_string="tags.stage = 'tracked'")
     assert [run.data.tags["mlflow.parentRunId"] for run in stage_runs] == [parent.info.run_id]
     summary = (toy / "reports" / "run_summary.md").read_text()  # the run reports itself
-    assert "`make-run@tracked`, profile `tiny`" in summary and "| `tracked@toy` | FINISHED |" in summary
+    assert "`reproduce@tracked`, profile `tiny`" in summary and "| `tracked@toy` | FINISHED |" in summary
 
 
 @pytest.mark.server

@@ -1,5 +1,6 @@
-"""`dvc repro` of the foundation stages (prepare, generate, filter, validate, Table 1) in a copy of the
-repo."""
+"""The foundation stages (prepare, generate, filter, validate, Table 1) in a copy of the repo on the tiny
+profile, run as `make run` runs them: the Prefect flow `reproduce`, one task run per stage, over a temporary
+local Prefect server (no PREFECT_API_URL) whose database is the copy's .prefect/."""
 
 from __future__ import annotations
 
@@ -25,14 +26,50 @@ def dvc(repo: Path, *args: str) -> subprocess.CompletedProcess:
                           text=True)
 
 
+def prefect_env(repo: Path) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if key != "PREFECT_API_URL"}
+    return {**env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+            "PARALLEL_R1_TRACKING": "off", "PREFECT_HOME": str(repo / ".prefect"),
+            "PYTHONPATH": str(repo), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+
+
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory, mirror):
     repo = copy_repo(tmp_path_factory.mktemp("repo"), mirror)
     # The vLLM path has its own tests; here the tiny teacher generates through transformers.
     set_param(repo / "params.yaml", "generate.engine", "transformers")
-    result = dvc(repo, "repro", "table1", "validate")
+    result = subprocess.run([sys.executable, "-m", "flows.reproduce", "table1", "validate"], cwd=repo,
+                            env=prefect_env(repo), capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return repo
+
+
+FLOW_RUNS = """
+import json
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+with get_client(sync_client=True) as client:
+    runs = []
+    for flow_run in client.read_flow_runs():
+        only = FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id]))
+        tasks = client.read_task_runs(flow_run_filter=only)
+        runs.append({"flow": client.read_flow(flow_run.flow_id).name, "state": flow_run.state.type.value,
+                     "tasks": sorted([t.name, t.state.type.value] for t in tasks)})
+    print(json.dumps(runs))
+"""
+
+
+def test_the_run_is_a_prefect_flow_run_with_one_task_run_per_stage(pipeline):
+    """What `make ui` shows afterwards: the flow run of `reproduce`, completed, a task run per DVC stage."""
+    shown = subprocess.run([sys.executable, "-c", FLOW_RUNS], cwd=pipeline, env=prefect_env(pipeline),
+                           capture_output=True, text=True, timeout=600)
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    (run,) = json.loads(shown.stdout.strip().splitlines()[-1])
+    stages = ["prepare_model", "prepare_data", "generate@gsm8k", "generate@dapo", "filter", "table1",
+              "validate"]
+    assert (run["flow"], run["state"]) == ("reproduce", "COMPLETED")
+    assert run["tasks"] == sorted([stage, "COMPLETED"] for stage in stages)
 
 
 def test_table1_is_rebuilt_from_the_filter_metrics(pipeline):

@@ -35,7 +35,7 @@ def toy(tmp_path) -> Path:
     stages = {"hold": {"cmd": "python hold.py", "outs": ["held.txt"]},
               "other": {"cmd": "python -c \"open('other.txt', 'w').write('other')\"", "outs": ["other.txt"]}}
     (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
-    shutil.copytree(REPO / "conf", tmp_path / "conf")        # make_run compares params.yaml with its profile
+    shutil.copytree(REPO / "conf", tmp_path / "conf")        # reproduce compares params.yaml with its profile
     write_params(tmp_path, "tiny")
     git = ["git", "-c", "user.name=test", "-c", "user.email=test@localhost"]
     subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
@@ -51,9 +51,10 @@ def python(*args: str) -> list[str]:
 
 def test_second_make_run_is_refused_while_the_first_runs_a_stage_command(toy):
     """Used to run (DVC releases its lock during a stage command): the second wrote other.txt and dvc.lock."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PARALLEL_R1_TRACKING": "off",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    first = subprocess.Popen(python("-m", "flows.make_run", "--single-item", "hold"), cwd=toy, env=env,
+    env = {key: value for key, value in os.environ.items() if key != "PREFECT_API_URL"}
+    env.update({"PYTHONPATH": str(REPO), "PARALLEL_R1_TRACKING": "off", "PREFECT_HOME": str(toy / ".prefect"),
+                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"})
+    first = subprocess.Popen(python("-m", "flows.reproduce", "--single-item", "hold"), cwd=toy, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 180
@@ -61,13 +62,13 @@ def test_second_make_run_is_refused_while_the_first_runs_a_stage_command(toy):
             assert first.poll() is None, first.communicate()[0][-2000:]
             assert time.monotonic() < deadline, "the first run's stage did not start"
             time.sleep(0.1)
-        for command in (python("-m", "flows.make_run", "--single-item", "other"),
+        for command in (python("-m", "flows.reproduce", "--single-item", "other"),
                         python("-m", "stages.profiles", "tiny")):
             second = subprocess.run(command, cwd=toy, env=env, capture_output=True, text=True, timeout=180)
             assert second.returncode == 1
             [line] = second.stderr.strip().splitlines()
             expected = (rf"error: {re.escape(str(toy))}/\.dvc/tmp/pipeline\.lock: another pipeline run "
-                        rf"holds the project lock \(pid {first.pid}: python\S* -m flows\.make_run "
+                        rf"holds the project lock \(pid {first.pid}: python\S* -m flows\.reproduce "
                         r"--single-item hold, since [^)]+\); wait for it to end or stop it")
             assert re.fullmatch(expected, line), line
         assert not (toy / "other.txt").exists() and not (toy / "dvc.lock").exists()
@@ -75,7 +76,7 @@ def test_second_make_run_is_refused_while_the_first_runs_a_stage_command(toy):
         (toy / "release").touch()
         output = first.communicate(timeout=180)[0]
     assert first.returncode == 0, output[-2000:]
-    third = subprocess.run(python("-m", "flows.make_run", "--single-item", "other"), cwd=toy, env=env,
+    third = subprocess.run(python("-m", "flows.reproduce", "--single-item", "other"), cwd=toy, env=env,
                            capture_output=True, text=True, timeout=180)
     assert third.returncode == 0, third.stderr[-2000:]                 # released when the first ended
     assert (toy / "other.txt").read_text() == "other"

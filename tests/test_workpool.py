@@ -64,6 +64,27 @@ def test_a_pool_runs_a_commit_so_uncommitted_tracked_changes_are_refused_in_one_
     assert run("git", "ls-remote", str(diamond.parent / "origin.git"), ref, cwd=diamond).split()[0] == head
 
 
+def test_a_carried_file_travels_in_a_commit_made_aside_leaving_the_workspace_as_it_was(diamond, tmp_path):
+    """`make run PROFILE=tiny POOL=...` composes params.yaml and fans out: the workers get that params.yaml
+    without a commit by hand (the run's commit is HEAD + the workspace's copy; HEAD, index, files unchanged)."""
+    (diamond / "params.yaml").write_text("x: 1\n")
+    run("git", "add", "params.yaml", cwd=diamond)
+    run(*GIT, "commit", "-qm", "params", cwd=diamond)
+    (diamond / "params.yaml").write_text("x: 2\n")                                  # the composed profile
+    head = run("git", "rev-parse", "HEAD", cwd=diamond)
+    ref = push_baseline(diamond, "origin", "reproduce-1", allowed={"dvc.lock"}, carried={"params.yaml"})
+    origin = str(tmp_path / "origin.git")
+    pushed = run("git", "ls-remote", origin, ref, cwd=diamond).split()[0]
+    assert run("git", "--git-dir", origin, "show", f"{pushed}:params.yaml", cwd=tmp_path) == "x: 2"
+    assert run("git", "--git-dir", origin, "rev-parse", f"{pushed}^", cwd=tmp_path) == head
+    assert run("git", "rev-parse", "HEAD", cwd=diamond) == head                   # the branch did not move
+    assert run("git", "status", "--porcelain", cwd=diamond) == "M params.yaml"    # still the user's change
+    (diamond / "dvc.yaml").write_text((diamond / "dvc.yaml").read_text() + "# edited\n")
+    with pytest.raises(PipelineError, match=r"commit or stash dvc.yaml first$"):  # only the carried ones
+        push_baseline(diamond, "origin", "reproduce-2", carried={"params.yaml"})
+    run("git", "checkout", "dvc.yaml", "params.yaml", cwd=diamond)
+
+
 def test_private_clone_runs_the_pushed_commit_on_the_worker_clones_cache_and_remote(diamond, tmp_path):
     ref = push_baseline(diamond, "origin", "sweep-2")
     worker = tmp_path / "worker"
