@@ -85,11 +85,11 @@ def experiment(name: str, target: str, overrides: list[str], baseline_ref: str, 
     worker = os.environ.get(WORKER_ENV) or socket.gethostname()
     work = private_folder(worker_clone, name, flow_run.get_id() or "local")
     logger.info("%s on worker %s: clone of %s in %s", name, worker, baseline_ref, work)
-    _remove_stale_folders(work, logger)
+    remove_stale_folders(work, logger)
     try:
         remote.private_clone(worker_clone, git_remote, baseline_ref, work)
         checkpoints = CheckpointStore.for_experiment(work, sweep_id, name)
-        resumed_from = _pull_checkpoints(checkpoints, work, name, logger)
+        resumed_from = pull_checkpoints(checkpoints, work, name, logger)
         mlflow_experiment = tracking.experiment_name(load_params(work / "params.yaml"))
         tags = {**labels, tracking.TAG_DVC_EXP: name, "sweep_id": sweep_id, "worker": worker,
                 "prefect_flow_run_id": flow_run.get_id()}
@@ -102,7 +102,7 @@ def experiment(name: str, target: str, overrides: list[str], baseline_ref: str, 
             with PushingInBackground(checkpoints, work, logger.info):
                 _dvc([*args, target], work, tracking.child_env(run_id), logger.info, name)
             _dvc(["exp", "push", "--run-cache", git_remote, name], work, None, logger.info, name)
-            _remove_checkpoints(checkpoints, logger)
+            remove_checkpoints(checkpoints, logger)
             metrics = workspace_metrics(work)
             tracking.log_metrics(metrics, run_id=run_id)
         row = {"experiment": name, "worker": worker, "mlflow_run_id": run_id or "",
@@ -115,7 +115,7 @@ def experiment(name: str, target: str, overrides: list[str], baseline_ref: str, 
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _remove_stale_folders(work: Path, logger) -> None:
+def remove_stale_folders(work: Path, logger) -> None:
     try:
         stale = stale_folders(work)
     except Exception as err:  # noqa: BLE001 -- housekeeping: the experiment runs without it
@@ -126,7 +126,7 @@ def _remove_stale_folders(work: Path, logger) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _pull_checkpoints(checkpoints: CheckpointStore, work: Path, name: str, logger) -> str:
+def pull_checkpoints(checkpoints: CheckpointStore, work: Path, name: str, logger) -> str:
     """An earlier attempt's checkpoints into the private clone; their names ("" if none). One that cannot
     be copied whole is dropped with a warning: the run then starts afresh, as without a remote copy."""
     try:
@@ -141,7 +141,7 @@ def _pull_checkpoints(checkpoints: CheckpointStore, work: Path, name: str, logge
     return " ".join(restored)
 
 
-def _remove_checkpoints(checkpoints: CheckpointStore, logger) -> None:
+def remove_checkpoints(checkpoints: CheckpointStore, logger) -> None:
     """The experiment is on the remotes: no retry will need its checkpoints. Left behind, they only take
     space, so a failure to delete them is a warning."""
     try:

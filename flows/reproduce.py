@@ -37,6 +37,7 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.client.schemas.objects import StateType
 from prefect.runtime import flow_run
 from prefect.utilities.annotations import quote
 
@@ -60,6 +61,7 @@ from stages.common import load_params, stage_main
 from stages.profiles import switch as switch_profile
 
 PARAMS_FILE = "params.yaml"
+CRASH_RETRIES = 2  # on a pool: launches of a stage whose worker died, after the first
 # DVC's first line of a stage in `dvc repro`'s output, and what it says about the stage.
 STAGE_LINES = ((re.compile(r"^Running stage '(?P<stage>[^']+)':"), "ran"),
                (re.compile(r"^Stage '(?P<stage>[^']+)' didn't change, skipping"), "up to date"),
@@ -212,13 +214,30 @@ def _stale(root: Path, stage: str) -> bool:
 
 
 def _run_on_pool(pool: str, stages: list[str], ref: str, parent_run_id: str | None, force: bool,
-                 git_remote: str, reproduce_id: str) -> None:
-    """Each stage a `pool-stage` flow run on the pool; waits for all; one line naming those that failed."""
+                 git_remote: str, reproduce_id: str, crash_retries: int = CRASH_RETRIES) -> None:
+    """Each stage a `pool-stage` flow run on the pool; waits for all; one line naming those that failed.
+
+    A run that Crashed (its worker died: flows/workpool.py) is launched again at once, up to `crash_retries`
+    times, and resumes from the checkpoint it pushed; one that Failed (the stage's own error) is not."""
     logger = get_run_logger()
-    runs = [{"stage": stage, "baseline_ref": ref, "parent_run_id": parent_run_id, "force": force,
-             "git_remote": git_remote} for stage in stages]
-    launched = workpool.launch(pool, "pool-stage", runs, stages, f"reproduce:{reproduce_id}")
-    finished = workpool.wait([run.id for run in launched], echo=logger.info)
+    params = {stage: {"stage": stage, "baseline_ref": ref, "parent_run_id": parent_run_id, "force": force,
+                      "git_remote": git_remote, "reproduce_id": reproduce_id} for stage in stages}
+    tag = f"reproduce:{reproduce_id}"
+    attempts = dict.fromkeys(stages, 1)
+
+    def relaunch_crashed(run):
+        if run.state.type != StateType.CRASHED or attempts[run.name] > crash_retries:
+            return None
+        attempts[run.name] += 1
+        logger.warning("%s crashed (%s): launching it again", run.name, run.state.message)
+        (again,) = workpool.launch(pool, "pool-stage", [params[run.name]], [run.name], tag)
+        latest[run.name] = again.id
+        return again
+
+    launched = workpool.launch(pool, "pool-stage", list(params.values()), stages, tag)
+    latest = {run.name: run.id for run in launched}
+    runs = workpool.wait(list(latest.values()), echo=logger.info, on_final=relaunch_crashed)
+    finished = {name: runs[run_id] for name, run_id in latest.items()}   # each stage's last attempt
     failed = [f"{run.name} ({run.state.type.value}: {run.state.message})" for run in finished.values()
               if not run.state.is_completed()]
     if failed:

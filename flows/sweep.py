@@ -41,14 +41,13 @@ from prefect.runtime import flow_run
 from flows import workpool
 from flows.dvc_runner import DvcCommandError, dvc_json, experiment_metrics, run_dvc
 from flows.remote import push_baseline, unique_id
-from flows.reproduce import PARAMS_FILE, retry_only_transient
+from flows.reproduce import CRASH_RETRIES, PARAMS_FILE, retry_only_transient
 from parallel_r1 import tracking
 from parallel_r1.errors import PipelineError
 from parallel_r1.rewards import REWARDS
 from stages.common import load_params
 
 DEFAULT_TARGET = "rl@{configuration}"
-CRASH_RETRIES = 2  # on a pool: launches of an experiment whose worker died, after the first
 TABLE_KEY = "sweep-comparison"
 LINK_KEY = "sweep-mlflow"
 

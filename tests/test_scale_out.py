@@ -30,7 +30,7 @@ import yaml
 
 from flows import ui
 from stages.profiles import write_params
-from tests.conftest import copy_repo
+from tests.conftest import copy_repo, set_param
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -284,6 +284,79 @@ def test_fan_out_reproduce_of_two_evaluations_writes_the_dvc_lock_of_a_serial_ru
         assert fanned_lock[stage] == serial_lock[stage], stage
     status = json.loads(dvc("status", "--json", *EVALUATIONS, cwd=launcher))
     assert status == {}  # the outputs are in the workspace, as dvc.lock says
+
+
+def start_worker(lab: dict, name: str):
+    """Serve the pool from clone `name` again (a worker killed by a test comes back for the next one)."""
+    clone = lab[name]
+    command = [sys.executable, "-m", "flows.workpool", "worker", "--pool", POOL, "--limit", "1"]
+    worker_env = dict(lab["env"], PYTHONPATH=str(clone), PREFECT_HOME=str(clone / ".prefect"))
+    service = ui.start(name, command, worker_env, clone, None, lab["base"] / f"{name}.log")
+    lab["services"].append(service)   # stopped with the others at the module's end
+    wait_for_workers(lab["env"]["PREFECT_API_URL"], [service], lab["base"])
+    return service
+
+
+def test_a_fanned_out_stage_whose_worker_dies_is_retried_and_resumes_to_the_model_of_a_serial_run(lab):
+    """`make run POOL=...` (flows.reproduce --pool) of SFT-Seen and SFT-Unseen, one per worker, a checkpoint
+    each step; once one has pushed a checkpoint its worker is killed: the stage's run is marked Crashed,
+    launched again on the other worker, resumes from the checkpoint, and the pipeline completes with the
+    models (and dvc.lock's record of them) of a serial `dvc repro`. The launcher's params.yaml is not
+    committed: the fanned-out stages run it all the same (the commit is made aside)."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.workpool import results
+
+    base, env = lab["base"], lab["env"]
+    stages = ["sft@seen", "sft@unseen"]
+    clones = {name: base / f"fanout-{name}" for name in ("launcher", "serial")}
+    for clone in clones.values():
+        git("clone", "-q", str(base / "origin.git"), str(clone), cwd=base)
+        for key, value in {"sft.save_steps": "1", "sft_variants.seen.max_steps": "4",
+                           "sft_variants.unseen.max_steps": "4", "generate.engine": "transformers"}.items():
+            set_param(clone / "params.yaml", key, value)
+    launcher, serial = clones["launcher"], clones["serial"]
+    dvc("repro", "validate", cwd=launcher)   # the inputs; only the two SFT stages fan out
+    launcher_env = dict(env, PYTHONPATH=str(launcher), PREFECT_HOME=str(launcher / ".prefect"))
+    fanned = subprocess.Popen([sys.executable, "-m", "flows.reproduce", *stages, "--pool", POOL],
+                              cwd=launcher, env=launcher_env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    workers = {service.name: service for service in lab["services"] if service.name.startswith("worker-")}
+    pushed = base / "parallel-r1-dvc-remote" / "checkpoints"   # <reproduce id>/<stage>/<folder>/checkpoint-*
+    deadline = time.monotonic() + SWEEP_TIMEOUT_S
+    marker = None
+    while marker is None:
+        assert fanned.poll() is None and time.monotonic() < deadline, fanned.stdout.read()[-3000:]
+        time.sleep(1)
+        marker = next(pushed.glob("reproduce-*/sft_*/sft_*/checkpoint-*.json"), None)
+    killed_stage = marker.parent.parent.name.replace("_", "@", 1)
+    victim = next(name for name in workers
+                  if any((base / name / ".dvc" / "tmp" / "pool").glob(f"{marker.parent.parent.name}-*")))
+    kill_machine(workers[victim].process.pid)
+    output, _ = fanned.communicate(timeout=SWEEP_TIMEOUT_S)
+    assert fanned.returncode == 0, output[-3000:]
+    start_worker(lab, victim)   # the next test kills one of two workers again
+    with temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"]}), \
+            get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=stages)))
+        rows = results([run.id for run in runs], "stage-result")
+    states = sorted((run.name, run.state.type.value) for run in runs)
+    other = next(stage for stage in stages if stage != killed_stage)
+    assert states == sorted([(killed_stage, "CRASHED"), (killed_stage, "COMPLETED"), (other, "COMPLETED")])
+    (retried,) = [rows[run.id] for run in runs if run.name == killed_stage and run.id in rows]
+    assert retried["resumed_from"].startswith(marker.parent.name + "/checkpoint-")
+    assert not retried["worker"].endswith(victim)
+    assert not any(pushed.glob("reproduce-*/*/*/checkpoint-*"))   # removed once the outputs were pushed
+    dvc("repro", *stages, cwd=serial)
+    for stage in stages:
+        fanned_lock, serial_lock = (yaml.safe_load((clone / "dvc.lock").read_text())["stages"][stage]
+                                    for clone in (launcher, serial))
+        models = [[out for out in lock["outs"] if out["path"].startswith("models/")]
+                  for lock in (fanned_lock, serial_lock)]
+        assert models[0] == models[1] and fanned_lock["deps"] == serial_lock["deps"], stage
+    assert json.loads(dvc("status", "--json", *stages, cwd=launcher)) == {}
 
 
 def test_a_worker_killed_mid_experiment_crashes_its_run_which_is_retried_from_its_pushed_checkpoint(lab):

@@ -66,7 +66,7 @@ def test_a_pool_runs_a_commit_so_uncommitted_tracked_changes_are_refused_in_one_
 
 def test_a_carried_file_travels_in_a_commit_made_aside_leaving_the_workspace_as_it_was(diamond, tmp_path):
     """`make run PROFILE=tiny POOL=...` composes params.yaml and fans out: the workers get that params.yaml
-    without a commit by hand (the run's commit is HEAD + the workspace's copy; HEAD, index, files unchanged)."""
+    without a commit by hand (the run's commit is HEAD + the workspace's copy; HEAD, index, files stay)."""
     (diamond / "params.yaml").write_text("x: 1\n")
     run("git", "add", "params.yaml", cwd=diamond)
     run(*GIT, "commit", "-qm", "params", cwd=diamond)
