@@ -10,7 +10,9 @@ import errno
 import functools
 import logging
 import os
+import signal
 import sys
+import threading
 from itertools import dropwhile
 from pathlib import Path
 from typing import Any, Callable
@@ -152,15 +154,22 @@ def restore_outputs() -> str:
     return " (its previous outputs are restored from the DVC cache)" if restored else ""
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def stage_main(func: Callable[..., Any]) -> Callable[..., Any]:
     """Run a stage entry point: logging set up once, `PipelineError` (and an OSError: the system refused a
     read or write) turned into one line on stderr and exit 1, the outputs put back under DVC
-    (`restore_outputs`); Ctrl-C is one line and exit 130 (outputs are published atomically: the ones
-    not yet renamed into place are not there, the previous ones stay)."""
+    (`restore_outputs`). Ctrl-C and SIGTERM (what `make run` and a stopped flow send a stage) are one line
+    and exit 130, the outputs put back the same way: DVC deleted them before the stage began and puts
+    nothing back on an interrupt. The stage's MLflow run ends KILLED."""
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         setup_logging()
+        in_main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, _interrupt) if in_main_thread else None
         try:
             return func(*args, **kwargs)
         except PipelineError as err:
@@ -171,8 +180,13 @@ def stage_main(func: Callable[..., Any]) -> Callable[..., Any]:
             where = f"{err.filename}: " if err.filename else ""
             print(f"error: {where}{err.strerror or err} ({name}){restore_outputs()}", file=sys.stderr)
             sys.exit(1)
-        except KeyboardInterrupt:
-            print("error: interrupted (Ctrl-C); this stage published nothing more", file=sys.stderr)
+        except KeyboardInterrupt as stop:
+            why = f"{stop}" if str(stop).startswith("SIG") else "Ctrl-C"
+            print(f"error: interrupted ({why}); this stage published nothing more{restore_outputs()}",
+                  file=sys.stderr)
             sys.exit(130)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
 
     return wrapper

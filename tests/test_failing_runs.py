@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import copy_repo, set_param, teacher_row, write_teacher
 
@@ -202,6 +205,70 @@ def test_ctrl_c_in_a_stage_is_one_line(tmp_path):
     assert done.returncode == 130
     assert done.stderr.strip().splitlines() == [
         "error: interrupted (Ctrl-C); this stage published nothing more"]
+
+
+HELD_STAGE = """
+import os, pathlib, time
+from stages.common import stage_main
+
+@stage_main
+def main():
+    if pathlib.Path("hold").exists():           # the second run: wait to be stopped
+        pathlib.Path("pid").write_text(str(os.getpid()))
+        while True:
+            time.sleep(0.1)
+    pathlib.Path("out.txt").write_text("good " + pathlib.Path("input.txt").read_text())
+
+main()
+"""
+
+
+@pytest.fixture
+def held(tmp_path) -> Path:
+    """A DVC project whose one stage wrote out.txt once (dvc.lock records it), then, made stale, runs until
+    it is stopped."""
+    (tmp_path / "held.py").write_text(HELD_STAGE)
+    (tmp_path / "input.txt").write_text("1")
+    stage = {"cmd": "python held.py", "deps": ["held.py", "input.txt"], "outs": ["out.txt"]}
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"held": stage}}))
+    (tmp_path / "params.yaml").write_text("profile: tiny\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PARALLEL_R1_TRACKING": "off"}
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    for args in (["init", "-q"], ["repro"]):
+        subprocess.run([sys.executable, "-m", "dvc", *args], cwd=tmp_path, env=env, check=True,
+                       capture_output=True)
+    assert (tmp_path / "out.txt").read_text() == "good 1"
+    (tmp_path / "input.txt").write_text("2")
+    (tmp_path / "hold").touch()
+    return tmp_path
+
+
+@pytest.mark.parametrize("how", ["SIGINT to dvc repro's stage", "SIGTERM to dvc repro's stage",
+                                 "SIGINT to make run", "SIGTERM to make run"])
+def test_a_stage_stopped_by_a_signal_leaves_the_outputs_dvc_lock_records(held, how):
+    """DVC deletes a stage's outputs before it runs it and puts nothing back when it is interrupted: the
+    stage does (Ctrl-C is SIGINT; `make run`, stopped, sends its stage SIGTERM), so out.txt is the one
+    dvc.lock records, not lost."""
+    signum = signal.SIGINT if how.startswith("SIGINT") else signal.SIGTERM
+    env = {key: value for key, value in os.environ.items() if key != "PREFECT_API_URL"}
+    env.update(PYTHONPATH=str(REPO), PARALLEL_R1_TRACKING="off", PREFECT_HOME=str(held / ".prefect"))
+    command = ([sys.executable, "-m", "flows.reproduce"] if how.endswith("make run")
+               else [sys.executable, "-m", "dvc", "repro"])
+    run = subprocess.Popen(command, cwd=held, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
+    deadline = time.monotonic() + 300
+    while not (held / "pid").exists():
+        assert run.poll() is None and time.monotonic() < deadline, run.communicate()[0][-2000:]
+        time.sleep(0.1)
+    assert not (held / "out.txt").exists()             # DVC removed it before the stage began
+    os.kill(run.pid if how.endswith("make run") else int((held / "pid").read_text()), signum)
+    output = run.communicate(timeout=120)[0]
+    assert run.returncode != 0
+    deadline = time.monotonic() + 60                   # the stage may finish putting it back after DVC ended
+    while not (held / "out.txt").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert (held / "out.txt").read_text() == "good 1", output[-2000:]
+    assert "its previous outputs are restored from the DVC cache" in output or how.endswith("make run")
 
 
 def test_zero_rows_error_counts_every_reason_rows_were_dropped(workdir, capsys):
