@@ -30,6 +30,7 @@ commit; `flows.remote.push_baseline`), so other tracked files but dvc.lock must 
 from __future__ import annotations
 
 import argparse
+import logging
 import re
 import sys
 import time
@@ -151,6 +152,9 @@ def reproduce(targets: list[str] = [], profile: str | None = None, force: bool =
     if profile:
         switch_profile(root, profile)
     params = load_params(root / PARAMS_FILE)
+    from stages.rl import check_run_names  # here: it imports the training code
+
+    check_run_names(params)   # before DVC, which would delete a run's outputs and then fail on a typo
     if edited := profiles.edits(root):  # kept, as DVC would; said, so no result is silently from hand edits
         get_run_logger().warning("params.yaml differs from conf/profile/%s.yaml at %s%s; running with "
                                  "params.yaml as it is", params["profile"], ", ".join(edited[:3]),
@@ -255,13 +259,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pool", help="Prefect work pool: independent stages on its workers (make worker)")
     parser.add_argument("--git-remote", default="origin", help="with --pool: the git remote workers use")
     args = parser.parse_args(argv)
+    root = Path.cwd()
+    from stages.rl import check_run_names  # here: it imports the training code
+
     try:
-        with project_lock(Path.cwd()):  # before Prefect starts: a refusal is one line, not a failed flow run
+        with project_lock(root):  # before Prefect starts: a refusal is one line, not a failed flow run
+            check_run_names(profiles.compose(root, args.profile) if args.profile
+                            else load_params(root / PARAMS_FILE))
             reproduce(targets=args.targets, profile=args.profile, force=args.force, pool=args.pool,
                       git_remote=args.git_remote, single_item=args.single_item)
     except KeyboardInterrupt:  # DVC and its stage are stopped; the MLflow run ends KILLED
         print("error: interrupted (Ctrl-C); dvc repro and its stage stopped", file=sys.stderr)
         sys.exit(130)
+    finally:  # the temporary Prefect server's "Stopping ..." at exit would follow a failure's one line
+        logging.getLogger("prefect").setLevel(logging.WARNING)
 
 
 if __name__ == "__main__":

@@ -89,6 +89,24 @@ def rl_options(params: dict, run: str) -> RLOptions:
     return from_mapping(RLOptions, values, f"params.yaml rl_runs.{run}", origins)
 
 
+def check_run_names(params: dict) -> None:
+    """Every rl_runs entry names an init model, a dataset and a reward schedule that exist, checked before
+    DVC starts (`make run`): DVC would delete the run's outputs first and then fail on the missing
+    `reward_schedules.<name>` param or `models/<init>` dependency, in words that name neither param."""
+    runs = params.get("rl_runs") or {}
+    if not runs:
+        return
+    models = ["base", *(f"sft_{variant}" for variant in params.get("sft_variants") or {}), *runs]
+    names = {"init": models, "dataset": list(section(params, "rl_datasets")),
+             "reward": list(params.get("reward_schedules") or {})}
+    for run, entry in runs.items():
+        for key, known in names.items():
+            value = (entry or {}).get(key)
+            if value not in known or value == run:
+                raise PipelineError(f"params.yaml rl_runs.{run}.{key}: {value!r} is not a known "
+                                    f"{'model' if key == 'init' else key} (known: {', '.join(known)})")
+
+
 def init_folder(params: dict, run: str, init: str) -> Path:
     """models/<init>; a name no stage writes and no folder holds is named by its param path, with the
     names the pipeline's model stages write (prepare_model, sft@<variant>, the other rl_runs)."""

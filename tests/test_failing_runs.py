@@ -395,3 +395,22 @@ def test_published_files_get_one_mode_whoever_wrote_them(tmp_path):
     assert modes == {"model": 0o777 & ~mask, "model/model.safetensors": 0o666 & ~mask,
                      "model/run.sh": 0o777 & ~mask, "model/steps": 0o777 & ~mask,
                      "model/steps/config.json": 0o666 & ~mask}
+
+
+@pytest.mark.parametrize("key,value", [("reward", "nosuch_reward"), ("init", "nosuch_model")])
+def test_a_run_name_typo_is_refused_by_make_run_before_dvc_deletes_anything(tmp_path, mirror, key, value):
+    """Under `dvc repro` DVC deleted models/<run> and then failed on the missing param or dependency, in words
+    naming neither `rl_runs.<run>.reward` nor `.init`; `make run` checks the names first."""
+    repo = copy_repo(tmp_path / "repo", mirror)
+    run = "parallel_r1_unseen_s2"
+    (repo / "models" / run).mkdir(parents=True)
+    (repo / "models" / run / "model.safetensors").write_text("the previous model")
+    set_param(repo / "params.yaml", f"rl_runs.{run}.{key}", value)
+    env = {key: value for key, value in os.environ.items() if key != "PREFECT_API_URL"}
+    env.update(PYTHONPATH=str(REPO), PARALLEL_R1_TRACKING="off", PREFECT_HOME=str(tmp_path / "prefect"))
+    done = subprocess.run([sys.executable, "-m", "flows.reproduce", f"rl@{run}"], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        f"error: params.yaml rl_runs.{run}.{key}: {value!r} is not a known ")
+    assert (repo / "models" / run / "model.safetensors").read_text() == "the previous model"
