@@ -75,8 +75,19 @@ def mirror_files(name: str) -> frozenset[str]:
 
 
 def mirror_dir(configured: str | os.PathLike | None) -> Path | None:
-    """The mirror folder: env PARALLEL_R1_DATA if set, else the param; None = use the Hub."""
-    chosen = os.environ.get(MIRROR_ENV) or configured
+    """The mirror folder: env PARALLEL_R1_DATA if set, else the param; None = use the Hub.
+
+    Under DVC (env DVC_STAGE: a stage `dvc repro` runs) the env var may not point elsewhere than the
+    param: dvc.lock records the hashes of the param's files, so reading another mirror would make the
+    lineage lie (`dvc status` up to date on data the stage never read)."""
+    override, chosen = os.environ.get(MIRROR_ENV), configured
+    if override:
+        differs = not configured or Path(override).resolve() != Path(configured).resolve()
+        if differs and os.environ.get("DVC_STAGE"):
+            raise PipelineError(f"${MIRROR_ENV}={override} differs from params.yaml data.mirror_dir "
+                                f"({configured or 'none'}), whose files dvc.lock records: set "
+                                f"data.mirror_dir instead (or unset {MIRROR_ENV} under dvc repro)")
+        chosen = override
     return Path(chosen) if chosen else None
 
 

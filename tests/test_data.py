@@ -70,6 +70,16 @@ def test_env_var_overrides_the_configured_mirror(tmp_path, monkeypatch, mirror):
     assert len(load_problems("aime25", tmp_path / "nowhere")) == 30
 
 
+def test_under_dvc_the_env_var_may_not_name_another_mirror(tmp_path, monkeypatch, mirror):
+    """dvc.lock records the hashes of data.mirror_dir's files: a stage reading another mirror made
+    `dvc status` say up to date on data the stage never read."""
+    monkeypatch.setenv("DVC_STAGE", "prepare_data")
+    monkeypatch.setenv("PARALLEL_R1_DATA", str(mirror))
+    with pytest.raises(PipelineError, match=r"^\$PARALLEL_R1_DATA=.* differs from params.yaml data"):
+        load_problems("aime25", tmp_path / "nowhere")
+    assert len(load_problems("aime25", mirror)) == 30          # the same folder: fine
+
+
 def test_unknown_dataset_and_missing_fields(tmp_path, monkeypatch):
     with pytest.raises(PipelineError, match="unknown"):
         load_problems("nope", tmp_path)
