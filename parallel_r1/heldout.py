@@ -8,8 +8,8 @@ where either model has none drops out of that metric's pairs). The interval is t
 over questions: resample the n paired differences with replacement, take the mean, `resamples` times.
 An interval that excludes 0 says the change is beyond the sampling noise of these n questions.
 
-Beyond the paper: the small profile's RL runs are ten updates on a 135M model, where a few steps of a reward
-curve are noise; this is the check that its comparisons (GRPO baseline, S1, S2, parallel-only, diversity)
+Beyond the paper: the small profile's RL runs are a few updates on a 135M model, where a few steps of a
+reward curve are noise; this is the check that its comparisons (`reports.heldout_runs`: S1, S2, diversity)
 changed what the model writes, on held-out generated problems (parallel_r1/arithmetic.py).
 """
 
