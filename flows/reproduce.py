@@ -12,7 +12,7 @@ is cut at each stage's first line ("Running stage 'x'", "Stage 'x' didn't change
 Prefect task run per stage, whose log holds that stage's lines: the UI shows each stage's state, log and
 duration. A stage that fails fails its task and the flow with the stage's one-line error. Stage runs in
 MLflow nest under this flow's run (env PARALLEL_R1_PARENT_RUN_ID); the flow ends by writing
-reports/run_summary.md. One pipeline run at a time per project (flows.project_lock).
+reports/run_summary.md. One pipeline run at a time per project (parallel_r1.project_lock).
 
     python -m flows.reproduce --pool parallel-r1           # independent stages on the pool's workers
 
@@ -53,9 +53,9 @@ from flows.dvc_runner import (
     run_dvc,
     target_stages,
 )
-from flows.project_lock import holds_project_lock, project_lock
 from flows.remote import push_baseline, unique_id
 from parallel_r1 import tracking
+from parallel_r1.project_lock import holds_project_lock, project_lock
 from parallel_r1.run_summary import write_run_summary
 from stages import profiles
 from stages.common import load_params, stage_main

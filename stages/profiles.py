@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not args.profile:
         parser.error(f"give a profile ({', '.join(profile_names(root))}) or --check")
-    from flows.project_lock import project_lock  # the entry points' lock (flows/), taken here too
+    from parallel_r1.project_lock import project_lock  # the entry points' lock, taken here too
 
     with project_lock(root):   # not under a running pipeline's feet
         switch(root, args.profile, force=args.force)

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.project_lock import project_lock
 from parallel_r1.errors import PipelineError
+from parallel_r1.project_lock import project_lock
 from stages.profiles import write_params
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,7 +85,7 @@ def test_second_make_run_is_refused_while_the_first_runs_a_stage_command(toy):
 def test_lock_is_reentrant_in_one_process_and_refused_to_another(tmp_path):
     with project_lock(tmp_path) as path, project_lock(tmp_path):       # a flow switching the profile
         assert path.read_text().startswith(f"pid {os.getpid()}: ")
-        probe = subprocess.run(python("-c", "import sys; from flows.project_lock import project_lock\n"
+        probe = subprocess.run(python("-c", "import sys; from parallel_r1.project_lock import project_lock\n"
                                             "with project_lock(sys.argv[1]): pass", str(tmp_path)),
                                env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
         assert probe.returncode != 0 and "another pipeline run holds the project lock" in probe.stderr
@@ -93,14 +93,15 @@ def test_lock_is_reentrant_in_one_process_and_refused_to_another(tmp_path):
     with pytest.raises(PipelineError, match=re.escape(own_error)), project_lock(tmp_path):
         raise PipelineError(own_error)
     assert path.read_text() == ""                                      # released, its holder line cleared
-    released = subprocess.run(python("-c", "import sys; from flows.project_lock import project_lock\n"
+    released = subprocess.run(python("-c", "import sys; from parallel_r1.project_lock import project_lock\n"
                                            "with project_lock(sys.argv[1]): pass", str(tmp_path)),
                               env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
     assert released.returncode == 0, released.stderr
 
 
 def test_holder_with_a_multiline_command_is_still_named_in_one_line(tmp_path):
-    holder = subprocess.Popen(python("-c", "import sys, time\nfrom flows.project_lock import project_lock\n"
+    holder = subprocess.Popen(python("-c", "import sys, time\n"
+                                           "from parallel_r1.project_lock import project_lock\n"
                                            "with project_lock(sys.argv[1]):\n    print('held', flush=True)\n"
                                            "    time.sleep(120)", str(tmp_path)),
                               env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, text=True)
