@@ -75,10 +75,10 @@ PROFILE_NOTES = {
              "rollouts each; reports/heldout.md compares the SFT-initialised ones with their init on 64 "
              "held-out problems (paired bootstrap) and reports/reward_schedules.md puts their curves side "
              "by side (docs/rl_small_profile.md). What it cannot show: the paper's accuracies -- a 135M "
-             "model scores ~0 on AIME/AMC/MATH and GSM8K (one problem each, eight of GSM8K: honest zeros),"
+             "model scores ~0 on AIME/AMC/MATH and GSM8K (one problem each, four of GSM8K: honest zeros),"
              " and the other RL runs (Seen, the training-stage, prompt and parallel-only ablations, "
-             "scaffold) run 1-2 steps as mechanics checks and are not evaluated, all that a one-hour run "
-             "on two cores affords",
+             "scaffold) run 1-2 steps as mechanics checks and are not evaluated (nor is SFT-Seen), all "
+             "that a one-hour run on two cores affords",
     "tiny": "a random-init tiny model; accuracies are not comparable to the paper, "
             "every cell is computed by the real pipeline",
     "paper": "the paper's settings; numbers are comparable to the paper's",

@@ -37,6 +37,10 @@ def build(params: dict) -> Path:
         if run not in runs:
             raise PipelineError(f"params.yaml reports.heldout_runs: {run!r} is not an rl_runs entry")
         inits[run] = runs[run]["init"]
+        evaluated = (params.get("evaluate") or {}).get("models")
+        if evaluated is not None and (missing := [m for m in (inits[run], run) if m not in evaluated]):
+            raise PipelineError(f"params.yaml reports.heldout_runs: {run!r} needs evaluations of "
+                                f"{' and '.join(missing)}, which evaluate.models does not list")
         init_path, final_path = (SAMPLES / model / f"{bench}.jsonl" for model in (inits[run], run))
         results[run] = heldout.compare(read_jsonl(init_path, required=("problem_id", "response")),
                                        read_jsonl(final_path, required=("problem_id", "response")),

@@ -315,17 +315,19 @@ def declared_deps(stage: str) -> set[str]:
 
 @pytest.mark.parametrize("profile", ["small", "tiny", "paper"])
 def test_report_stages_depend_on_the_runs_their_params_name(profile):
-    """heldout reads the samples of each run of reports.heldout_runs and of its init; reward_schedules the
-    step and summary files of reports.reward_schedule_runs: a run a profile adds there must be a dep."""
+    """reward_schedules reads the step and summary files of reports.reward_schedule_runs: a run a profile adds
+    there must be a dep; heldout and the tables read what the profile evaluates."""
     from parallel_r1.config import from_mapping
     from parallel_r1.reports import ReportOptions
     from stages.profiles import compose
 
     params = compose(REPO, profile)
     options = from_mapping(ReportOptions, params.get("reports", {}), "reports")
-    read = {f"data/samples/{model}" for run in options.heldout_runs
-            for model in (run, params["rl_runs"][run]["init"])}
-    assert read <= declared_deps("heldout"), read - declared_deps("heldout")
+    # heldout reads the samples of each run of reports.heldout_runs and of its init: all of data/samples,
+    # and those models must be evaluated on the profile
+    read = {model for run in options.heldout_runs for model in (run, params["rl_runs"][run]["init"])}
+    assert "data/samples" in declared_deps("heldout"), declared_deps("heldout")
+    assert read <= set(params["evaluate"]["models"]), read - set(params["evaluate"]["models"])
     read = {f"metrics/rl/{run}/{name}" for run in options.reward_schedule_runs
             for name in ("steps.json", "summary.json")}
     assert read <= declared_deps("reward_schedules"), read - declared_deps("reward_schedules")
@@ -352,3 +354,21 @@ def test_every_stage_that_reads_validated_data_runs_after_validate():
         late = [name for name in readers if name != "validate" and
                 validate not in nx.descendants(graph, stages[name])]
     assert readers and not late, late
+
+
+@pytest.mark.parametrize("profile", ["small", "tiny", "paper"])
+def test_every_dependency_exists_or_is_written_by_a_stage_of_the_profile(profile, tmp_path, mirror):
+    """A dep named for another profile's runs (heldout's data/samples/<run>, when the small profile stopped
+    evaluating one) made `dvc repro` fail at the last stage with `No such file or directory`."""
+    from dvc.dependency.param import ParamsDependency
+    from dvc.repo import Repo
+
+    copy = copy_repo(tmp_path / "repo", mirror, profile)
+    with Repo(str(copy)) as repo:
+        stages = list(repo.index.stages)
+        outs = [Path(out.fs_path) for stage in stages for out in stage.outs]
+        missing = [f"{stage.addressing}: {dep.def_path}" for stage in stages for dep in stage.deps
+                   if not isinstance(dep, ParamsDependency) and not Path(dep.fs_path).exists()
+                   and not any(Path(dep.fs_path) == out or Path(dep.fs_path) in out.parents
+                               or out in Path(dep.fs_path).parents for out in outs)]
+    assert not missing, missing

@@ -130,3 +130,6 @@ def test_stage_writes_report_and_metrics(tmp_path: Path, monkeypatch):
     assert json.loads((tmp_path / "metrics" / "heldout.json").read_text())["run_a"]["path_diversity"] is None
     with pytest.raises(PipelineError, match="reports.heldout_runs: 'nope' is not an rl_runs entry"):
         stage.build({**params, "reports": {"heldout_runs": ["nope"]}})
+    with pytest.raises(PipelineError, match=r"heldout_runs: 'run_a' needs evaluations of sft_unseen, which "
+                                            r"evaluate.models does not list$"):
+        stage.build({**params, "evaluate": {"models": ["run_a"]}})
