@@ -127,7 +127,8 @@ def markdown(runs: list[RunCurves], source: str, plot_name: str = "reward_schedu
     missing = [label for schedule,
                label in SCHEDULES.items() if not any(run.schedule == schedule for run in runs)]
     if missing:
-        lines += ["", f"No finished runs yet for: {', '.join(missing)}."]
+        lines += ["", f"No run of these schedules in this comparison (none finished, or none listed): "
+                      f"{', '.join(missing)}."]
     return "\n".join(lines) + "\n"
 
 

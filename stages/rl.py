@@ -102,7 +102,7 @@ def check_run_names(params: dict) -> None:
     for run, entry in runs.items():
         for key, known in names.items():
             value = (entry or {}).get(key)
-            if value not in known or value == run:
+            if value not in known or (key == "init" and value == run):
                 raise PipelineError(f"params.yaml rl_runs.{run}.{key}: {value!r} is not a known "
                                     f"{'model' if key == 'init' else key} (known: {', '.join(known)})")
 

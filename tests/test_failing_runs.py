@@ -254,8 +254,9 @@ def test_a_stage_stopped_by_a_signal_leaves_the_outputs_dvc_lock_records(held, h
     env.update(PYTHONPATH=str(REPO), PARALLEL_R1_TRACKING="off", PREFECT_HOME=str(held / ".prefect"))
     command = ([sys.executable, "-m", "flows.reproduce"] if how.endswith("make run")
                else [sys.executable, "-m", "dvc", "repro"])
+    # a terminal's SIGINT disposition: pytest-xdist workers ignore SIGINT, and an ignored SIGINT is inherited
     run = subprocess.Popen(command, cwd=held, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True)
+                           text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 300
     while not (held / "pid").exists():
         assert run.poll() is None and time.monotonic() < deadline, run.communicate()[0][-2000:]

@@ -25,7 +25,7 @@ def test_module_map_names_every_library_module_and_no_missing_one():
     library = {path.name for path in (REPO / "parallel_r1").glob("*.py") if path.name != "__init__.py"}
     library |= {path.name for path in (REPO / "parallel_r1").glob("*.yaml")}
     assert library - named == set(), "modules missing from the README's Layout"
-    everywhere = {path.name for folder in ("parallel_r1", "stages", "flows")
+    everywhere = {path.name for folder in ("parallel_r1", "stages", "flows", "requirements")
                   for path in (REPO / folder).rglob("*")}
     stray = {name for name in named if name not in everywhere and not (REPO / name).exists()}
     assert stray == set(), "README's Layout names modules that do not exist"
