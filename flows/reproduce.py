@@ -38,7 +38,6 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
-from prefect.client.schemas.objects import StateType
 from prefect.runtime import flow_run
 from prefect.utilities.annotations import quote
 
@@ -226,22 +225,8 @@ def _run_on_pool(pool: str, stages: list[str], ref: str, parent_run_id: str | No
     logger = get_run_logger()
     params = {stage: {"stage": stage, "baseline_ref": ref, "parent_run_id": parent_run_id, "force": force,
                       "git_remote": git_remote, "reproduce_id": reproduce_id} for stage in stages}
-    tag = f"reproduce:{reproduce_id}"
-    attempts = dict.fromkeys(stages, 1)
-
-    def relaunch_crashed(run):
-        if run.state.type != StateType.CRASHED or attempts[run.name] > crash_retries:
-            return None
-        attempts[run.name] += 1
-        logger.warning("%s crashed (%s): launching it again", run.name, run.state.message)
-        (again,) = workpool.launch(pool, "pool-stage", [params[run.name]], [run.name], tag)
-        latest[run.name] = again.id
-        return again
-
-    launched = workpool.launch(pool, "pool-stage", list(params.values()), stages, tag)
-    latest = {run.name: run.id for run in launched}
-    runs = workpool.wait(list(latest.values()), echo=logger.info, on_final=relaunch_crashed)
-    finished = {name: runs[run_id] for name, run_id in latest.items()}   # each stage's last attempt
+    finished, _ = workpool.run_all(pool, "pool-stage", params, f"reproduce:{reproduce_id}", crash_retries,
+                                   echo=logger.info)
     failed = [f"{run.name} ({run.state.type.value}: {run.state.message})" for run in finished.values()
               if not run.state.is_completed()]
     if failed:

@@ -35,7 +35,6 @@ from typing import cast
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
-from prefect.client.schemas.objects import StateType
 from prefect.runtime import flow_run
 
 from flows import workpool
@@ -207,21 +206,7 @@ def _run_on_pool(experiments: list[Experiment], pool: str, git_remote: str, base
                                 "sweep_id": sweep_id, "sweep_run_id": sweep_run, "labels": experiment.labels,
                                 "git_remote": git_remote} for experiment in experiments}
     tag = workpool.SWEEP_TAG.format(sweep_id=sweep_id)
-    attempts = dict.fromkeys(params, 1)
-
-    def relaunch_crashed(run):  # at once: the other experiments go on meanwhile
-        if run.state.type != StateType.CRASHED or attempts[run.name] > crash_retries:
-            return None
-        attempts[run.name] += 1
-        logger.warning("%s crashed (%s): launching it again", run.name, run.state.message)
-        (again,) = workpool.launch(pool, "experiment", [params[run.name]], [run.name], tag)
-        latest[run.name] = again.id
-        return again
-
-    launched = workpool.launch(pool, "experiment", list(params.values()), list(params), tag)
-    latest = {run.name: run.id for run in launched}
-    runs = workpool.wait(list(latest.values()), echo=logger.info, on_final=relaunch_crashed)
-    finished = {name: runs[run_id] for name, run_id in latest.items()}  # each experiment's last attempt
+    finished, attempts = workpool.run_all(pool, "experiment", params, tag, crash_retries, echo=logger.info)
     found = workpool.results([run.id for run in finished.values()])
     rows = []
     for experiment in experiments:

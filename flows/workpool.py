@@ -162,6 +162,28 @@ def wait(flow_run_ids: list, echo=print, poll_s: float = POLL_S, on_final=None) 
     return done
 
 
+def run_all(pool: str, flow_name: str, params: dict[str, dict[str, Any]], tag: str, crash_retries: int,
+            echo=print) -> tuple[dict, dict[str, int]]:
+    """Launch one `flow_name` run per entry of `params` (name -> parameters) and wait for all. A run that
+    Crashed (its worker died) is launched again at once, up to `crash_retries` times; one that Failed (its
+    own error) is not. Returns ({name: its last attempt's flow run}, {name: attempts})."""
+    attempts = dict.fromkeys(params, 1)
+
+    def relaunch_crashed(run):
+        if run.state.type.value != "CRASHED" or attempts[run.name] > crash_retries:
+            return None
+        attempts[run.name] += 1
+        echo(f"{run.name} crashed ({run.state.message}): launching it again")
+        (again,) = launch(pool, flow_name, [params[run.name]], [run.name], tag)
+        latest[run.name] = again.id
+        return again
+
+    launched = launch(pool, flow_name, list(params.values()), list(params), tag)
+    latest = {run.name: run.id for run in launched}
+    runs = wait(list(latest.values()), echo=echo, on_final=relaunch_crashed)
+    return {name: runs[run_id] for name, run_id in latest.items()}, attempts
+
+
 def results(flow_run_ids: list, key: str = "experiment-result") -> dict:
     """{flow run id: the row its result artifact (`key`) holds}."""
     from prefect import get_client
