@@ -20,12 +20,14 @@ from collections import deque
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
-from parallel_r1.errors import PipelineError
+from parallel_r1.errors import RESOURCE_MARK, PipelineError
 
-# Messages of failures that a later attempt can clear: another DVC or git process holds a lock.
+# Messages of failures that a later attempt can clear: another DVC or git process holds a lock, or a stage
+# found too little free memory (parallel_r1.errors.ResourceShortage).
 TRANSIENT_PATTERNS = (
     re.compile(r"Unable to acquire lock"),
     re.compile(r"index\.lock'?: File exists"),
+    re.compile(re.escape(RESOURCE_MARK)),
 )
 
 

@@ -57,10 +57,9 @@ from parallel_r1 import tracking
 from parallel_r1.project_lock import holds_project_lock, project_lock
 from parallel_r1.run_summary import write_run_summary
 from stages import profiles
-from stages.common import load_params, stage_main
+from stages.common import PARAMS_FILE, load_params, stage_main
 from stages.profiles import switch as switch_profile
 
-PARAMS_FILE = "params.yaml"
 CRASH_RETRIES = 2  # on a pool: launches of a stage whose worker died, after the first
 # DVC's first line of a stage in `dvc repro`'s output, and what it says about the stage.
 STAGE_LINES = ((re.compile(r"^Running stage '(?P<stage>[^']+)':"), "ran"),

@@ -40,11 +40,12 @@ from prefect.runtime import flow_run
 from flows import workpool
 from flows.dvc_runner import DvcCommandError, dvc_json, experiment_metrics, run_dvc
 from flows.remote import push_baseline, unique_id
-from flows.reproduce import CRASH_RETRIES, PARAMS_FILE, retry_only_transient
+from flows.reproduce import CRASH_RETRIES, retry_only_transient
 from parallel_r1 import tracking
 from parallel_r1.errors import PipelineError
+from parallel_r1.mirror import ensure, mirror_path
 from parallel_r1.rewards import REWARDS
-from stages.common import load_params
+from stages.common import PARAMS_FILE, load_params
 
 DEFAULT_TARGET = "rl@{configuration}"
 TABLE_KEY = "sweep-comparison"
@@ -108,11 +109,22 @@ def check_names(params: dict, configurations: list[str], reward_schedules: list[
                                 f"(known: {', '.join(REWARDS)})")
 
 
+def _mirror_copy(root: Path) -> list[str]:
+    """The data mirror for a --temp experiment, which runs in a fresh clone of the commit, without the
+    git-ignored mirror/ its stages depend on: verified here as `make data` does (filled first if needed),
+    then copied into that clone by DVC (`--copy-paths`). Nothing for a mirror outside the project."""
+    target = mirror_path(root)
+    if target is None or not target.resolve().is_relative_to(root.resolve()):
+        return []
+    ensure(target, root, log=get_run_logger().info)
+    return ["--copy-paths", str(target.resolve().relative_to(root.resolve()))]
+
+
 @task(name="dvc-experiment", task_run_name="{experiment.name}", retries=2, retry_delay_seconds=10,
       retry_condition_fn=retry_only_transient, cache_policy=NO_CACHE)
 def run_experiment(experiment: Experiment, run_id: str | None, root: str) -> None:
     """`dvc exp run --temp` for one combination, its stage runs nested under `run_id`."""
-    args = ["exp", "run", "--temp", "--name", experiment.name]
+    args = ["exp", "run", "--temp", "--name", experiment.name, *_mirror_copy(Path(root))]
     for override in experiment.overrides:
         args += ["--set-param", override]
     try:

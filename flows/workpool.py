@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from parallel_r1.errors import PipelineError
+from parallel_r1.errors import RESOURCE_MARK, PipelineError
 
 DEFAULT_POOL = "parallel-r1"
 CLONE_ENV = "PARALLEL_R1_CLONE"
@@ -162,18 +162,26 @@ def wait(flow_run_ids: list, echo=print, poll_s: float = POLL_S, on_final=None) 
     return done
 
 
+def worth_another_attempt(state) -> bool:
+    """A final state a new attempt may turn out otherwise: Crashed, or Failed on a ResourceShortage."""
+    kind = state.type.value
+    return kind == "CRASHED" or (kind == "FAILED" and RESOURCE_MARK in (state.message or ""))
+
+
 def run_all(pool: str, flow_name: str, params: dict[str, dict[str, Any]], tag: str, crash_retries: int,
             echo=print) -> tuple[dict, dict[str, int]]:
     """Launch one `flow_name` run per entry of `params` (name -> parameters) and wait for all. A run that
-    Crashed (its worker died) is launched again at once, up to `crash_retries` times; one that Failed (its
-    own error) is not. Returns ({name: its last attempt's flow run}, {name: attempts})."""
+    Crashed (its worker died) or Failed for want of a resource (a `ResourceShortage`: too little free memory
+    on its worker just then) is launched again at once, up to `crash_retries` times; one that Failed on its
+    own error is not. Returns ({name: its last attempt's flow run}, {name: attempts})."""
     attempts = dict.fromkeys(params, 1)
 
     def relaunch_crashed(run):
-        if run.state.type.value != "CRASHED" or attempts[run.name] > crash_retries:
+        if not worth_another_attempt(run.state) or attempts[run.name] > crash_retries:
             return None
         attempts[run.name] += 1
-        echo(f"{run.name} crashed ({run.state.message}): launching it again")
+        why = "crashed" if run.state.type.value == "CRASHED" else "failed for want of a resource"
+        echo(f"{run.name} {why} ({run.state.message}): launching it again")
         (again,) = launch(pool, flow_name, [params[run.name]], [run.name], tag)
         latest[run.name] = again.id
         return again

@@ -73,14 +73,15 @@ def generate_resumably(jobs: Sequence[Job], partial: Path, run_stamp: str, start
     engine = start_engine()
     partial.parent.mkdir(parents=True, exist_ok=True)
     try:
-        with open(partial, "a", encoding="utf-8") as sink:
-            for start in tqdm(range(0, len(todo), CHUNK), desc=desc, unit="chunk", file=sys.stdout):
-                chunk = todo[start:start + CHUNK]
-                for job, sample in zip(chunk, generate_jobs(engine, chunk), strict=True):
-                    done[job.key] = sample
-                    row = {"benchmark": job.benchmark, "stamp": run_stamp, **dataclasses.asdict(sample)}
-                    sink.write(json.dumps(row, ensure_ascii=False) + "\n")
-                sink.flush()
+        for start in tqdm(range(0, len(todo), CHUNK), desc=desc, unit="chunk", file=sys.stdout):
+            chunk, lines = todo[start:start + CHUNK], []
+            for job, sample in zip(chunk, generate_jobs(engine, chunk), strict=True):
+                done[job.key] = sample
+                row = {"benchmark": job.benchmark, "stamp": run_stamp, **dataclasses.asdict(sample)}
+                lines.append(json.dumps(row, ensure_ascii=False) + "\n")
+            # opened once a chunk is finished: a run killed before its first chunk leaves no empty file
+            with open(partial, "a", encoding="utf-8") as sink:
+                sink.write("".join(lines))
     finally:
         engine.close()
     return done

@@ -473,24 +473,23 @@ def rl_runs(summaries: Mapping[str, Mapping[str, Any]], steps: Mapping[str, Sequ
             return "—" if a is None or b is None else f"{a:.2f} → {b:.2f}"
 
         diversity = [h["path_diversity"] for h in history if h.get("path_diversity") is not None]
-        reused = f" (= `{summary['reused_from']}`)" if summary.get("reused_from") else ""
         gated = "yes" if summary["reward"] in NEEDS_A_CORRECT_ANSWER else "no"
-        body.append([f"`{run}`{reused}", str(summary["reward"]), gated, str(summary["variant"]),
+        body.append([f"`{run}`", str(summary["reward"]), gated, str(summary["variant"]),
                      f"{summary['steps_with_reward_spread']} / {summary['steps']}", moved("reward"),
                      moved("parallel_ratio"), moved("accuracy"),
-                     f"{sum(diversity) / len(diversity):.2f}" if diversity else "—",
-                     _pct(summary.get("mean_step_seconds"))])
+                     f"{sum(diversity) / len(diversity):.2f}" if diversity else "—"])
     lines = _header_lines("RL runs — reward spread, reward and parallel ratio over the steps", profile, [
         "Steps with a gradient = steps where at least one prompt's rollouts got different rewards (TRL's "
         "`frac_reward_zero_std` < 1); only those change a weight. Columns with → show the first and the "
         "last step. Path diversity = 1 − mean pairwise word-level similarity of a block's paths, averaged "
-        "over the steps' responses with a block. (= `run`): the same computation as that run (equal init "
-        "weights, prompts, options and rewards), whose model and steps it reused. Needs a correct answer: "
+        "over the steps' responses with a block. Speed, resume points and runs reused from the RL memo are "
+        "in metrics/runtime/rl/ and the make-run summary, not here: they do not change a run's result. "
+        "Needs a correct answer: "
         "the reward pays nothing above its minimum without one, so a group with no correct rollout has no "
         "spread, and on problems the model never solves its steps move no weight.",
     ])
     lines += _table(["Run", "Reward schedule", "Needs a correct answer", "Variant", "Steps with a gradient",
-                     "Reward", "Parallel ratio", "Accuracy", "Path diversity", "s / step"], body)
+                     "Reward", "Parallel ratio", "Accuracy", "Path diversity"], body)
     return "\n".join(lines) + "\n"
 
 

@@ -92,7 +92,9 @@ def _rl_rows(root: Path) -> list[str]:
             a, b = first.get(key), last.get(key)
             return "—" if a is None or b is None else f"{a:.2f} → {b:.2f}"
 
-        reused = f" (= {summary['reused_from']})" if summary.get("reused_from") else ""
+        runtime = root / "metrics" / "runtime" / "rl" / f"{path.parent.name}.json"
+        reused_from = read_json(runtime).get("reused_from") if runtime.is_file() else None
+        reused = f" (= {reused_from})" if reused_from else ""
         rows.append(f"| `{path.parent.name}`{reused} | {summary.get('reward')} | "
                     f"{summary.get('steps_with_reward_spread')} / {summary.get('steps')} | "
                     f"{moved('reward')} | {moved('parallel_ratio')} | {moved('path_diversity')} |")

@@ -10,6 +10,7 @@ import errno
 import functools
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -22,7 +23,10 @@ import yaml
 from parallel_r1.errors import PipelineError
 from parallel_r1.tracking import is_main_process  # one definition: the rank that logs and tracks
 
-PARAMS_FILE = Path(os.environ.get("PARALLEL_R1_PARAMS", "params.yaml"))
+PARAMS_FILE = Path("params.yaml")
+# The profiles this code composes (stages/profiles.py); every stage refuses a params.yaml naming another, so
+# a bare `dvc repro` cannot record a profile that does not exist in dvc.lock
+PROFILE_DIR = Path(__file__).resolve().parents[1] / "conf" / "profile"
 log = logging.getLogger("stages")  # every stage's progress lines; set up once by `stage_main`
 
 
@@ -35,6 +39,10 @@ def load_params(path: str | os.PathLike = PARAMS_FILE) -> dict[str, Any]:
     params = read_params_yaml(path)
     if not isinstance(params.get("profile"), str):
         raise PipelineError(f"{path}: no `profile` name (compose it: python -m stages.profiles <profile>)")
+    known = sorted(found.stem for found in PROFILE_DIR.glob("*.yaml"))
+    if params["profile"] not in known:
+        raise PipelineError(f"{path} profile: {params['profile']!r} is not a profile of conf/profile/ "
+                            f"(choose from {', '.join(known)}: python -m stages.profiles <profile>)")
     _anchor_mirror(params)
     return params
 
@@ -140,18 +148,73 @@ def restore_outputs() -> str:
     stage_name, root = os.environ.get("DVC_STAGE"), os.environ.get("DVC_ROOT")
     if not stage_name or not root or not is_main_process():
         return ""
+    failed: list[str] = []
     try:
         from dvc.repo import Repo
 
         with Repo(root) as repo:
             [stage] = [stage for stage in repo.index.stages if stage.addressing == stage_name]
             restored = [out for out in stage.outs if out.hash_info]
-            for out in restored:
-                out.checkout(force=True)
+            for out in restored:   # each on its own: the metrics come back though the model does not fit
+                try:
+                    if bad := corrupted_cache_files(out):   # DVC trusts a read-only cache file unread
+                        failed.append(f"{out}: its DVC cache copy {bad[0]} is corrupted (delete it, then "
+                                      f"`dvc pull {stage_name}` or rerun the stage)")
+                        continue
+                    out.checkout(force=True)
+                except Exception as err:  # noqa: BLE001 - reported below, in the stage's one line
+                    failed.append(f"{out}: {_first_line(err)}")
     except Exception as err:  # noqa: BLE001 - the stage's own error is the one to report
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        return f" (previous outputs not restored: {first}; `dvc checkout {stage_name}` restores them)"
+        failed.append(_first_line(err))
+    if failed:   # --force: DVC would ask before overwriting what the failed write left
+        return (f" (previous outputs not restored: {'; '.join(failed)}; `dvc checkout --force {stage_name}` "
+                f"restores them)")
     return " (its previous outputs are restored from the DVC cache)" if restored else ""
+
+
+def corrupted_cache_files(out: Any) -> list[str]:
+    """The cache files of DVC output `out` whose bytes no longer have the md5 they are named by.
+
+    DVC's local cache skips hashing a file whose mode is its read-only 0444 (dvc_data LocalHashFileDB.check),
+    so a flipped byte is checked out as it is, with exit 0; the restore of a failed stage reads each file
+    (a directory output: every file its .dir listing names) before it puts anything back."""
+    import hashlib
+
+    if out.hash_name != "md5":   # the legacy md5-dos2unix cache of DVC 2 hashes text otherwise: not checked
+        return []
+    oids = [out.hash_info.value]
+    if out.hash_info.isdir:
+        from dvc_data.hashfile.tree import Tree
+
+        oids = [hash_info.value for _key, _meta, hash_info in Tree.load(out.cache, out.hash_info)]
+    bad = []
+    for oid in oids:
+        path = out.cache.oid_to_path(oid)
+        digest = hashlib.md5(usedforsecurity=False)
+        with open(path, "rb") as stored:
+            for block in iter(lambda stored=stored: stored.read(1 << 20), b""):
+                digest.update(block)
+        if digest.hexdigest() != oid:
+            bad.append(path)
+    return bad
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _os_error_line(err: OSError) -> str:
+    """An OSError as `<file>: <reason> (<errno name>)`; shutil's copy errors (a list of (src, dst, reason))
+    name their first failed file instead of printing the list."""
+    if isinstance(err, shutil.Error) and err.args and isinstance(err.args[0], list) and err.args[0]:
+        first = err.args[0][0]
+        _source, target, reason = first if len(first) == 3 else ("", "", str(first))
+        more = f" (and {len(err.args[0]) - 1} more files)" if len(err.args[0]) > 1 else ""
+        return f"{target}: {reason}{more}"
+    name = errno.errorcode.get(err.errno or 0, type(err).__name__)
+    where = f"{err.filename}: " if err.filename else ""
+    return f"{where}{err.strerror or err} ({name})"
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -176,9 +239,7 @@ def stage_main(func: Callable[..., Any]) -> Callable[..., Any]:
             print(f"error: {err}{restore_outputs()}", file=sys.stderr)
             sys.exit(1)
         except OSError as err:   # the system refused a read or write outside parallel_r1.io (a full disk)
-            name = errno.errorcode.get(err.errno or 0, type(err).__name__)
-            where = f"{err.filename}: " if err.filename else ""
-            print(f"error: {where}{err.strerror or err} ({name}){restore_outputs()}", file=sys.stderr)
+            print(f"error: {_os_error_line(err)}{restore_outputs()}", file=sys.stderr)
             sys.exit(1)
         except KeyboardInterrupt as stop:
             why = f"{stop}" if str(stop).startswith("SIG") else "Ctrl-C"

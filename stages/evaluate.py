@@ -96,7 +96,8 @@ def evaluate_folder(model: str, folder: Path, benchmarks: dict[str, int], params
         return make_engine(engine, folder, tokenizer, config, dtype=dtype,
                            gpu_memory_utilization=settings.get("gpu_memory_utilization"),
                            enforce_eager=settings.get("enforce_eager"),
-                           max_batch_size=settings.get("max_batch_size"))
+                           max_batch_size=settings.get("max_batch_size"),
+                           memory_param="params.yaml evaluate.gpu_memory_utilization")
 
     jobs = benchmark_jobs(tokenizer, {name: (problems[name], k) for name, k in benchmarks.items()}, prompt)
     kind = resolve_engine(engine)

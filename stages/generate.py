@@ -7,7 +7,7 @@
 (non-forking) mode — vLLM when installed (offline `LLM`, prefix caching on), else
 transformers — and keeps only the output after the teacher's hidden thinking.
 `source: released` takes the authors' released generations (the mirror's
-teacher_demos_gsm8k.jsonl, else the Hub). Finished chunks are appended to a partial
+teacher_demos_gsm8k.jsonl). Finished chunks are appended to a partial
 file (data/partial/teacher/<dataset>.jsonl, outside data/teacher/ where readers glob), so a killed
 run resumes where it stopped.
 """
@@ -77,7 +77,8 @@ def model_rows(name: str, problems: list[dict], gen: dict, seed: int, student_to
                            top_p=float(gen["top_p"]), seed=seed)
     engine = make_engine(gen.get("engine", "auto"), teacher, teacher_tokenizer, config,
                          gpu_memory_utilization=gen.get("gpu_memory_utilization"),
-                         enforce_eager=gen.get("enforce_eager"))
+                         enforce_eager=gen.get("enforce_eager"),
+                         memory_param="params.yaml generate.gpu_memory_utilization")
     partial.parent.mkdir(parents=True, exist_ok=True)
     with open(partial, "a", encoding="utf-8") as sink:
         for start in tqdm(range(0, len(todo), CHUNK), desc=f"teacher {name}", unit="chunk", file=sys.stdout):

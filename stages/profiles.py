@@ -23,11 +23,10 @@ from typing import Any
 import yaml
 
 from parallel_r1.errors import PipelineError
-from stages.common import read_params_yaml, stage_main
+from stages.common import PARAMS_FILE, read_params_yaml, stage_main
 
 CONFIG_DIR = "conf"
 CONFIG_NAME = "config"
-PARAMS_FILE = "params.yaml"
 
 
 def profile_names(root: str | os.PathLike = ".") -> list[str]:

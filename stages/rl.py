@@ -12,14 +12,16 @@ run also models/<run>/steps/step-<n>/ every scaffold_curve.every steps, for Figu
 models/<run>/rollout.json: the prompt, variant and forking evaluate@<run> generates with),
 metrics/rl/<run>/steps.json (per step: reward, accuracy, parallel ratio, <Parallel> position,
 response length, blocks per response, path diversity, reward spread, reward type; a DVC plot) and
-metrics/rl/<run>/summary.json.
+metrics/rl/<run>/summary.json (what ran and where it ended: the reports read it) and
+metrics/runtime/rl/<run>.json (speed, resume point, reuse: no report reads it, so a resumed run's reports
+stay up to date).
 Every step is also logged to the MLflow run `rl@<run>` (by the main process only: see tracking.enabled).
 Checkpoints go to checkpoints/rl/<run>/
 every rl.save_steps; re-running a killed run resumes from the last one.
 
 A run that is the same computation as one already finished (equal init weights by value, prompts, options
 but the names, rewards and code: parallel_r1/training/run_memo.py) reuses that run's model, steps and
-summary (`reused_from` in summary.json and as an MLflow tag) instead of training again: in the default
+summary (`reused_from` in its runtime record and as an MLflow tag) instead of training again: in the default
 profile grpo_gsm8k_then_dapo is grpo_dapo whenever GRPO on GSM8K got no reward spread.
 """
 
@@ -134,30 +136,19 @@ def reward_config(params: dict, schedule: str) -> RewardConfig:
                         origins={key: "params.yaml rewards" for key in shared})
 
 
-def summarize(run: str, options: RLOptions, result: RLResult, wall_seconds: float) -> dict:
-    """metrics/rl/<run>/summary.json: what ran, how fast, and where it ended."""
+def summarize(run: str, options: RLOptions, result: RLResult) -> dict:
+    """metrics/rl/<run>/summary.json: what ran and where it ended, a function of the run's inputs only.
+
+    The reports depend on it, so it holds nothing a resumed, reused or slower run would write differently:
+    those facts go to `runtime` (metrics/runtime/rl/<run>.json, which no report reads)."""
     last = result.history[-1] if result.history else {}
     zero_spread = [h.get("frac_reward_zero_std") for h in result.history]  # share of groups without spread
-    rate = result.rollout.tokens_per_second
     return {
         "run": run, "init": options.init, "dataset": options.dataset, "reward": options.reward,
         "variant": options.variant, "prompt": options.prompt, "parallel": options.parallel,
-        "processes": result.processes,
-        "steps": result.steps, "steps_this_run": result.steps_this_run, "resumed_from": result.resumed_from,
-        "prompts": result.prompts, "dropped_long_prompts": result.dropped_prompts,
+        "steps": result.steps, "prompts": result.prompts, "dropped_long_prompts": result.dropped_prompts,
         "rollouts_per_step": options.batch_size * options.num_generations,
-        "wall_seconds": round(wall_seconds, 1),
-        "train_seconds": round(result.train_seconds, 1),
-        "mean_step_seconds": round(result.train_seconds / result.steps_this_run,
-                                   2) if result.steps_this_run else None,
         "rollout_backend": result.engine,
-        "rollout_tokens": result.rollout.tokens,
-        "rollout_seconds": round(result.rollout.seconds, 2),
-        # this process's step time: rollout (engine) / scoring (rewards, log-probs) / update (fwd+bwd+optim)
-        "step_time_split": result.step_times,
-        # micro-batches whose every advantage was 0: their forward/backward skipped (exactly zero gradient)
-        "skipped_micro_batches_this_run": result.skipped_micro_batches,
-        "rollout_tokens_per_s": round(rate, 1) if rate is not None else None,
         "final_reward": last.get("reward"),
         "final_accuracy": last.get("accuracy"),
         "final_parallel_ratio": last.get("parallel_ratio"),
@@ -166,6 +157,30 @@ def summarize(run: str, options: RLOptions, result: RLResult, wall_seconds: floa
         "steps_logged": len(result.history),
         "snapshots": result.snapshots,
     }
+
+
+def runtime(result: RLResult, wall_seconds: float) -> dict:
+    """metrics/runtime/rl/<run>.json: how this process ran (speed, resume point, processes)."""
+    rate = result.rollout.tokens_per_second
+    return {
+        "processes": result.processes,
+        "steps_this_run": result.steps_this_run, "resumed_from": result.resumed_from, "reused_from": None,
+        "wall_seconds": round(wall_seconds, 1),
+        "train_seconds": round(result.train_seconds, 1),
+        "mean_step_seconds": round(result.train_seconds / result.steps_this_run,
+                                   2) if result.steps_this_run else None,
+        "rollout_tokens": result.rollout.tokens,
+        "rollout_seconds": round(result.rollout.seconds, 2),
+        # this process's step time: rollout (engine) / scoring (rewards, log-probs) / update (fwd+bwd+optim)
+        "step_time_split": result.step_times,
+        # micro-batches whose every advantage was 0: their forward/backward skipped (exactly zero gradient)
+        "skipped_micro_batches_this_run": result.skipped_micro_batches,
+        "rollout_tokens_per_s": round(rate, 1) if rate is not None else None,
+    }
+
+
+def runtime_path(run: str) -> str:
+    return f"metrics/runtime/rl/{run}.json"
 
 
 @stage_main
@@ -194,7 +209,11 @@ def main(argv: list[str] | None = None) -> None:
         if reused is not None:
             assert key is not None  # reuse is looked up only with a key
             history = reused["history"]
-            summary = reuse_summary(run, options, params["profile"], reused, started)
+            summary = {**reused["summary"], "profile": params["profile"], "run": run, "init": options.init}
+            unmeasured = ("processes", "resumed_from", "mean_step_seconds", "rollout_tokens_per_s")
+            ran = {**dict.fromkeys(unmeasured),
+                   "steps_this_run": 0, "reused_from": reused["run"],
+                   "wall_seconds": round(time.perf_counter() - started, 1)}
             replay_log_history(reused["log_history"])
             tracking.set_tags({"reused_from": reused["run"]})
             shutil.rmtree(f"checkpoints/rl/{run}", ignore_errors=True)  # an earlier, killed attempt's
@@ -206,8 +225,8 @@ def main(argv: list[str] | None = None) -> None:
             if not result.is_main_process:
                 return
             history = result.history
-            summary = {"profile": params["profile"], **summarize(run, options, result,
-                                                                 time.perf_counter() - started)}
+            summary = {"profile": params["profile"], **summarize(run, options, result)}
+            ran = runtime(result, time.perf_counter() - started)
             if key is not None and result.resumed_from is None:
                 run_memo.store(key, run, model_dir, result.log_history, history, summary)
         with publish_together() as outputs:
@@ -215,23 +234,16 @@ def main(argv: list[str] | None = None) -> None:
             outputs.write_json(model_dir / ROLLOUT_RECORD, rollout)
             outputs.write_json(f"metrics/rl/{run}/steps.json", history)
             outputs.write_json(f"metrics/rl/{run}/summary.json", summary)
-        tracking.log_metrics({key: summary[key] for key in ("mean_step_seconds", "rollout_tokens_per_s",
-                                                            "final_reward", "final_accuracy",
-                                                            "final_parallel_ratio")})
+            outputs.write_json(runtime_path(run), ran)
+        tracking.log_metrics({key: value for key, value in {**ran, **summary}.items()
+                              if key in ("mean_step_seconds", "rollout_tokens_per_s", "final_reward",
+                                         "final_accuracy", "final_parallel_ratio") and value is not None})
         tracking.log_model_reference(model_dir)
-    log.info(f"rl@{run}: {summary['steps']} steps ({summary['steps_this_run']} this run), "
-          f"{summary['mean_step_seconds']} s/step, "
-          f"rollouts {summary['rollout_tokens_per_s']} tokens/s ({summary['rollout_backend']}); final reward "
+    log.info(f"rl@{run}: {summary['steps']} steps ({ran['steps_this_run']} this run), "
+          f"{ran['mean_step_seconds']} s/step, "
+          f"rollouts {ran['rollout_tokens_per_s']} tokens/s ({summary['rollout_backend']}); final reward "
           f"{summary['final_reward']}, accuracy {summary['final_accuracy']}, parallel ratio "
           f"{summary['final_parallel_ratio']} -> {model_dir}")
-
-
-def reuse_summary(run: str, options: RLOptions, profile: str, reused: dict, started: float) -> dict:
-    """The stored run's summary as this run's: its name, init, profile and wall time, no step trained here,
-    and `reused_from` naming the run whose model and steps these are (the training numbers are that run's)."""
-    return {**reused["summary"], "profile": profile, "run": run, "init": options.init, "steps_this_run": 0,
-            "resumed_from": None, "wall_seconds": round(time.perf_counter() - started, 1),
-            "reused_from": reused["run"]}
 
 
 def replay_log_history(log_history: list[dict]) -> None:

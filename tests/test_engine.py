@@ -505,3 +505,21 @@ def test_vllm_server_backend_through_trl_client(tiny, tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+def test_vllm_on_a_cpu_short_of_free_memory_is_refused_in_one_line_naming_the_param(monkeypatch):
+    """vLLM's CPU worker fails in its engine process (a 40-line traceback) when less memory is free than its
+    share; the check says so first, as a ResourceShortage the work pool retries."""
+    import psutil
+
+    from parallel_r1.engine.vllm_backend import check_cpu_memory
+    from parallel_r1.errors import RESOURCE_MARK, ResourceShortage
+
+    gib = 2**30
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(total=24 * gib, available=5 * gib))
+    check_cpu_memory(0.2, "params.yaml generate.gpu_memory_utilization")   # 4.8 GiB: fits
+    with pytest.raises(ResourceShortage) as refused:
+        check_cpu_memory(0.3, "params.yaml generate.gpu_memory_utilization")
+    assert str(refused.value) == (
+        "params.yaml generate.gpu_memory_utilization: vLLM on the CPU reserves 0.3 of 24.0 GiB (7.20 GiB) "
+        f"and 5.00 GiB is free now: lower it or free memory {RESOURCE_MARK}")

@@ -160,6 +160,10 @@ def test_killed_evaluation_resumes_where_it_stopped(inside, monkeypatch, capsys)
         shutil.rmtree(inside / out, ignore_errors=True)
     partial = inside / "data/partial/eval/base.jsonl"
     first = json.loads((inside / "data/eval/aime24.jsonl").open().readline())["id"]
+    counting_engines(monkeypatch, kill_at=1)
+    with pytest.raises(SystemExit):   # killed before its first chunk finished: no empty partial file
+        stage.main(["base"])
+    assert not partial.exists()
     counting_engines(monkeypatch, kill_at=2)
     with pytest.raises(SystemExit) as stopped:   # Ctrl-C: one line, exit 130
         stage.main(["base"])

@@ -64,12 +64,11 @@ def test_every_dvc_output_is_cached_so_checkout_restores_it():
     assert uncached == []
 
 
-def test_bad_dataset_entry_names_its_param_path_before_any_dataset_is_read(workdir, monkeypatch, capsys):
+def test_bad_dataset_entry_names_its_param_path_before_any_dataset_is_read(workdir, capsys):
     from stages.prepare_data import main
 
-    tmp_path = workdir
+    tmp_path = workdir   # no mirror/ here: reading any dataset would fail
     set_param(tmp_path / "params.yaml", "data.eval.math.limit", "-2")
-    monkeypatch.setenv("PARALLEL_R1_DATA", str(tmp_path / "no-mirror"))   # reading anything would fail
     with pytest.raises(SystemExit):
         main()
     assert capsys.readouterr().err.strip() == ("error: params.yaml data.eval.math.limit: "
@@ -199,6 +198,17 @@ def test_os_error_outside_the_io_module_is_one_line(tmp_path):
     assert done.stderr.strip().splitlines() == ["error: checkpoints/x: No such file or directory (ENOENT)"]
 
 
+def test_a_failed_tree_copy_names_its_first_file_not_a_list(tmp_path):
+    """shutil.copytree gathers its failures into one error whose message is a nested list (a model copied
+    onto a full disk printed `[('models/a/model.safetensors', ...)]`)."""
+    failures = "[('a/x', 'b/x', '[Errno 27] File too large'), ('a/y', 'b/y', '[Errno 27] File too large')]"
+    code = CTRL_C_STAGE.replace("raise KeyboardInterrupt", f"import shutil; raise shutil.Error({failures})")
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == ["error: b/x: [Errno 27] File too large (and 1 more files)"]
+
+
 def test_ctrl_c_in_a_stage_is_one_line(tmp_path):
     done = subprocess.run([sys.executable, "-c", CTRL_C_STAGE], cwd=tmp_path, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
@@ -213,6 +223,9 @@ from stages.common import stage_main
 
 @stage_main
 def main():
+    if pathlib.Path("fail").exists():           # a second run that fails on a bad input
+        from parallel_r1.errors import PipelineError
+        raise PipelineError("input.txt: bad")
     if pathlib.Path("hold").exists():           # the second run: wait to be stopped
         pathlib.Path("pid").write_text(str(os.getpid()))
         while True:
@@ -270,6 +283,25 @@ def test_a_stage_stopped_by_a_signal_leaves_the_outputs_dvc_lock_records(held, h
         time.sleep(0.1)
     assert (held / "out.txt").read_text() == "good 1", output[-2000:]
     assert "its previous outputs are restored from the DVC cache" in output or how.endswith("make run")
+
+
+def test_a_corrupted_cache_copy_is_refused_before_it_reaches_the_workspace(held):
+    """The failure path puts the previous outputs back from the DVC cache, which DVC does not re-hash: a
+    flipped byte there would be published silently."""
+    (held / "hold").unlink()
+    (held / "fail").touch()
+    [cached] = [path for path in (held / ".dvc/cache/files/md5").rglob("*") if path.is_file()]
+    cached.chmod(0o644)
+    cached.write_text("evil 1")   # the size kept: only the bytes differ
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PARALLEL_R1_TRACKING": "off"}
+    failed = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=held, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert failed.returncode != 0
+    [line] = [line for line in failed.stderr.splitlines() if line.startswith("error: ")]
+    assert line.startswith("error: input.txt: bad (previous outputs not restored: out.txt: its DVC cache "
+                           "copy ")
+    assert f"{cached.name} is corrupted (delete it, then `dvc pull held` or rerun the stage)" in line
+    assert not (held / "out.txt").exists()
 
 
 def test_zero_rows_error_counts_every_reason_rows_were_dropped(workdir, capsys):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -48,6 +47,7 @@ from flows.reproduce import reproduce, retry_only_transient
 from flows.sweep import TABLE_KEY, plan_sweep, sweep
 from parallel_r1.errors import PipelineError
 from stages.profiles import write_params
+from tests.conftest import fill_mirror
 
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 300
@@ -94,9 +94,7 @@ def project(tmp_path_factory, mirror) -> Path:
             (root / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / name, root / name)
     (root / "dvc.yaml").write_text("stages:\n" + stage_block((REPO / "dvc.yaml").read_text(), "prepare_data"))
-    for profile_file in (root / "conf" / "profile").glob("*.yaml"):  # `dvc exp run -S` composes from conf/
-        text = profile_file.read_text()
-        profile_file.write_text(re.sub(r"(?m)^(\s+mirror_dir:)\s*\S+", rf"\1 {mirror}", text, count=1))
+    fill_mirror(root, mirror)   # its git-ignored mirror/, as `make data` fills it: a sweep copies it (--temp)
     write_params(root)
     git_commit_all(root)
     return root
@@ -183,7 +181,7 @@ def test_plan_follows_dvc_dependency_order(toy):
     assert "\n" not in str(err.value)
 
 
-def test_error_line_prefers_the_stage_error_and_only_lock_contention_is_transient():
+def test_error_line_prefers_the_stage_error_and_only_contention_or_a_shortage_is_transient():
     stage_failure = ["Running stage 'filter':", "> python -m stages.filter",
                      "error: data/teacher/gsm8k.jsonl line 3: missing field 'completion'",
                      "ERROR: failed to reproduce 'filter': failed to run: python -m stages.filter, "
@@ -195,6 +193,12 @@ def test_error_line_prefers_the_stage_error_and_only_lock_contention_is_transien
     assert isinstance(lock, TransientDvcError)
     assert retry_only_transient(None, None, Failed(data=lock))
     assert not retry_only_transient(None, None, Failed(data=err))
+    from parallel_r1.errors import ResourceShortage
+
+    short = [f"error: {ResourceShortage('params.yaml generate.gpu_memory_utilization: 5 GiB free')}",
+             "ERROR: failed to reproduce 'generate@dapo': failed to run: python -m stages.generate dapo"]
+    shortage = error_from_output(short, "dvc repro")
+    assert isinstance(shortage, TransientDvcError) and str(shortage) == short[0]
 
 
 def test_sweep_plan_sets_reward_seed_and_profile_params_per_combination():

@@ -494,6 +494,15 @@ def test_killed_run_resumes_from_its_last_checkpoint_with_the_uninterrupted_hist
     # the resumed step samples, scores and updates as the uninterrupted run's step 3 did
     assert_same_history(result.history, uninterrupted.history)
     assert changed_parameters(uninterrupted.model_dir, result.model_dir) == 0
+    # what the reports read (summary.json beside steps.json) does not say it was resumed: they stay up to date
+    from stages.rl import runtime, summarize
+
+    whole, resumed = summarize("test_run", steps(3), uninterrupted), summarize("test_run", steps(3), result)
+    assert resumed.keys() == whole.keys()
+    for key, value in whole.items():
+        assert resumed[key] == (pytest.approx(value, rel=1e-4) if isinstance(value, float) else value), key
+    ran = runtime(result, 1.0)
+    assert (ran["resumed_from"], ran["steps_this_run"]) == (result.resumed_from, 1)
 
 
 # ---------------------------------------------------------------------------------- stage
@@ -586,7 +595,7 @@ def test_stage_writes_model_steps_and_summary_and_an_equal_run_reuses_them(
     monkeypatch.setenv("PARALLEL_R1_TRACKING", "on")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "rl-memo-test")
-    metrics = tmp_path / "metrics/rl"
+    metrics, runtime = tmp_path / "metrics/rl", tmp_path / "metrics/runtime/rl"
     stage.main(["grpo_dapo"])
     trained_steps = read_json(metrics / "grpo_dapo/steps.json")
     assert [tuple(r) for r in trained_steps] == [STEP_KEYS] and trained_steps[0]["reward_type"] == "accuracy"
@@ -595,13 +604,16 @@ def test_stage_writes_model_steps_and_summary_and_an_equal_run_reuses_them(
     # TRL's per-step reward spread reaches steps.json
     assert 0 <= trained_steps[0]["frac_reward_zero_std"] <= 1
     assert trained_summary["steps_with_reward_spread"] == int(trained_steps[0]["frac_reward_zero_std"] < 1)
+    # speed and resume facts live apart from the summary the reports read
+    trained_runtime = read_json(runtime / "grpo_dapo.json")
     # one micro-batch (2 rollouts of 1 prompt): skipped exactly when the group had no spread
-    assert (trained_summary["skipped_micro_batches_this_run"]
+    assert (trained_runtime["skipped_micro_batches_this_run"]
             == 1 - trained_summary["steps_with_reward_spread"])
-    assert trained_summary["rollout_tokens_per_s"] > 0
+    assert trained_runtime["rollout_tokens_per_s"] > 0 and trained_runtime["reused_from"] is None
     assert trained_summary["final_reward"] == trained_steps[0]["reward"]
-    assert set(trained_summary["step_time_split"]) == {"rollout_seconds", "scoring_seconds", "update_seconds"}
-    assert trained_summary["profile"] == "tiny" and "reused_from" not in trained_summary
+    assert set(trained_runtime["step_time_split"]) == {"rollout_seconds", "scoring_seconds", "update_seconds"}
+    assert trained_summary["profile"] == "tiny"
+    assert not set(trained_summary) & set(trained_runtime)
     load_model(tmp_path / "models/grpo_dapo")
     trained = model_digest(tmp_path / "models/grpo_dapo")
     capsys.readouterr()
@@ -609,9 +621,12 @@ def test_stage_writes_model_steps_and_summary_and_an_equal_run_reuses_them(
     stage.main(["grpo_gsm8k_then_dapo"])
     assert "rl@grpo_gsm8k_then_dapo: the same run as rl@grpo_dapo " in capsys.readouterr().out
     summary = read_json(metrics / "grpo_gsm8k_then_dapo/summary.json")
-    assert (summary["reused_from"], summary["init"], summary["run"]) == ("grpo_dapo", "grpo_gsm8k",
-                                                                       "grpo_gsm8k_then_dapo")
-    assert summary["steps_this_run"] == 0 and summary["steps"] == 1
+    assert (summary["init"], summary["run"]) == ("grpo_gsm8k", "grpo_gsm8k_then_dapo")
+    # the reports' input is the trained run's but for the names: reports hash as a trained run's
+    assert {**summary, "run": "grpo_dapo", "init": "base"} == trained_summary
+    reused_runtime = read_json(runtime / "grpo_gsm8k_then_dapo.json")
+    assert reused_runtime["reused_from"] == "grpo_dapo" and reused_runtime["steps_this_run"] == 0
+    assert summary["steps"] == 1
     assert read_json(metrics / "grpo_gsm8k_then_dapo/steps.json") == trained_steps
     assert model_digest(tmp_path / "models/grpo_gsm8k_then_dapo") == trained
     assert read_json(tmp_path / "models/grpo_gsm8k_then_dapo/rollout.json")["prompt"] == "baseline"
@@ -624,9 +639,9 @@ def test_stage_writes_model_steps_and_summary_and_an_equal_run_reuses_them(
     trained_run, reused_run = runs["rl@grpo_dapo (accuracy)"], runs["rl@grpo_gsm8k_then_dapo (accuracy)"]
     assert reused_run.data.tags["reused_from"] == "grpo_dapo" and "reused_from" not in trained_run.data.tags
     # (TRL's profiling timers go to MLflow straight, outside the log history: the time this run took is its
-    # own)
+    # own), nor is the trained run's mean step time, which the reused run did not take
     trained_keys = {key for key in trained_run.data.metrics if not key.startswith("profiling/")}
-    assert trained_keys == set(reused_run.data.metrics) and "reward" in trained_keys
+    assert trained_keys - {"mean_step_seconds"} == set(reused_run.data.metrics) and "reward" in trained_keys
     assert [(m.step, m.value) for m in client.get_metric_history(reused_run.info.run_id, "reward")] == [
         (m.step, m.value) for m in client.get_metric_history(trained_run.info.run_id, "reward")]
 
@@ -634,7 +649,9 @@ def test_stage_writes_model_steps_and_summary_and_an_equal_run_reuses_them(
     nudge_one_weight(tmp_path / "models/grpo_dapo")
     stage.main(["grpo_gsm8k_then_dapo"])
     assert "the same run as" not in capsys.readouterr().out
-    assert "reused_from" not in read_json(metrics / "grpo_gsm8k_then_dapo/summary.json")
+    assert read_json(runtime / "grpo_gsm8k_then_dapo.json")["reused_from"] is None
+    assert {**read_json(metrics / "grpo_gsm8k_then_dapo/summary.json"), "run": "grpo_dapo",
+            "init": "base"} == trained_summary
     assert_same_history(read_json(metrics / "grpo_gsm8k_then_dapo/steps.json"), trained_steps)
     assert model_digest(tmp_path / "models/grpo_gsm8k_then_dapo") == trained
 

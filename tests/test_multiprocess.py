@@ -2,7 +2,7 @@
 
 The stages run as a user launches them (gloo on this CPU): each process rolls out its share of a
 step's completions (one prompt's group of 4 is split over both, so TRL's gathered group statistics
-are what the advantages use), the summary says 2 processes ran, the saved model loads, a killed run
+are what the advantages use), the runtime record says 2 processes ran, the saved model loads, a killed run
 resumes from its last checkpoint, and only rank 0 opens an MLflow run and writes the outputs.
 """
 
@@ -97,11 +97,13 @@ def project(tmp_path, init_dir) -> Path:  # noqa: F811  (the imported fixture)
 def assert_two_process_run(project: Path, run: str, steps: int) -> None:
     """Both ranks ran every step of `run`, and rank 0 wrote a loadable model and its metrics."""
     summary = read_json(project / f"metrics/rl/{run}/summary.json")
-    assert summary["processes"] == 2 and summary["steps"] == steps and summary["rollouts_per_step"] == 4
+    assert summary["steps"] == steps and summary["rollouts_per_step"] == 4
     history = read_json(project / f"metrics/rl/{run}/steps.json")
     assert [s["step"] for s in history] == list(range(1, steps + 1))
     assert all(s["reward_std"] is not None for s in history)  # group statistics over both ranks' rollouts
-    assert summary["rollout_tokens"] > 0  # rank 0's share; rank 1 rolled out the rest of each group
+    runtime = read_json(project / f"metrics/runtime/rl/{run}.json")
+    # rank 0's share of the tokens; rank 1 rolled out the rest of each group
+    assert runtime["processes"] == 2 and runtime["rollout_tokens"] > 0
     load_model(project / "models" / run)
     assert not (project / f"checkpoints/rl/{run}").exists()
 
@@ -131,9 +133,9 @@ def test_killed_two_process_grpo_resumes_from_its_last_checkpoint(project):
 
     launch(project, "stages.rl", run)
     assert_two_process_run(project, run, steps=4)
-    summary = read_json(project / f"metrics/rl/{run}/summary.json")
-    assert (summary["resumed_from"] or "").startswith(f"checkpoints/rl/{run}/checkpoint-")
-    assert 0 < summary["steps_this_run"] < 4
+    runtime = read_json(project / f"metrics/runtime/rl/{run}.json")
+    assert (runtime["resumed_from"] or "").startswith(f"checkpoints/rl/{run}/checkpoint-")
+    assert 0 < runtime["steps_this_run"] < 4
     runs = mlflow_runs(project)
     assert len(runs) == 2 and {r.data.tags["stage"] for r in runs} == {"rl"}  # one per launch: rank 0's
 

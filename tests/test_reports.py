@@ -326,8 +326,7 @@ def test_table2_without_gsm8k_has_no_gsm8k_column():
 
 def test_rl_runs_report_counts_steps_with_a_gradient():
     summaries = {"parallel_r1_unseen_parallel_only": {"reward": "parallel_only", "variant": "unseen",
-                                                      "steps": 3, "steps_with_reward_spread": 2,
-                                                      "mean_step_seconds": 40.0}}
+                                                      "steps": 3, "steps_with_reward_spread": 2}}
     steps = {"parallel_r1_unseen_parallel_only": [
         {"step": 1, "reward": -0.5, "parallel_ratio": 0.25, "accuracy": 0.0, "path_diversity": 0.6},
         {"step": 2, "reward": 0.0, "parallel_ratio": 0.5, "accuracy": 0.0, "path_diversity": None},
@@ -338,12 +337,13 @@ def test_rl_runs_report_counts_steps_with_a_gradient():
     assert cells[2:9] == ["no", "unseen", "2 / 3", "-0.50 → 0.50", "0.25 → 0.75", "0.00 → 0.00", "0.50"]
 
 
-def test_rl_runs_report_names_the_run_a_reused_run_is():
+def test_rl_runs_report_shows_no_speed_or_resume_facts():
+    """Timings and resume points differ between equal runs: the report that depends on the summaries
+    neither shows nor needs them (they are in metrics/runtime/rl/)."""
     summary = {"reward": "accuracy", "variant": "seen", "steps": 2, "steps_with_reward_spread": 0}
-    summaries = {"grpo_dapo": summary, "grpo_gsm8k_then_dapo": {**summary, "reused_from": "grpo_dapo"}}
-    text = reports.rl_runs(summaries, {}, "small")
-    assert table_row(text, "", "`grpo_gsm8k_then_dapo` (= `grpo_dapo`)")[2:5] == ["yes", "seen", "0 / 2"]
-    assert table_row(text, "", "`grpo_dapo`")[4] == "0 / 2"
+    text = reports.rl_runs({"grpo_dapo": summary}, {}, "small")
+    assert table_row(text, "", "`grpo_dapo`")[2:5] == ["yes", "seen", "0 / 2"]
+    assert "s / step" not in text and "metrics/runtime/rl/" in text
 
 
 def test_rl_runs_report_names_a_summary_missing_its_keys():

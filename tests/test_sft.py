@@ -147,7 +147,7 @@ def test_batch_size_must_split_into_devices_and_accumulation():
 
 def _stage_project(root: Path, rows: list[dict], mirror: Path | None = None) -> None:
     """A minimal project folder for `stages.sft`: params.yaml, the SFT set, a tiny base model if rows."""
-    params = {"profile": "t", "seed": 0,
+    params = {"profile": "tiny", "seed": 0,
               "data": {"mirror_dir": str(mirror or "")}, "model": {"dtype": "float32"}, "sft": SFT_PARAMS,
               "sft_variants": {"seen": {"max_steps": 4}, "unseen": {"max_steps": 4}}}
     (root / "params.yaml").write_text(yaml.safe_dump(params), encoding="utf-8")

@@ -58,6 +58,17 @@ def test_params_without_a_profile_name(workdir, capsys):
     assert line == "error: params.yaml: no `profile` name (compose it: python -m stages.profiles <profile>)"
 
 
+def test_params_naming_an_unknown_profile(workdir, capsys):
+    """A bare `dvc repro` runs the stages without `make run`'s profile check: every stage refuses, so dvc.lock
+    never records a profile conf/profile/ does not hold."""
+    from stages.prepare_data import main
+
+    set_param(workdir / "params.yaml", "profile", "nosuch")
+    assert one_line_error(main, capsys) == (
+        "error: params.yaml profile: 'nosuch' is not a profile of conf/profile/ (choose from paper, small, "
+        "tiny: python -m stages.profiles <profile>)")
+
+
 def test_unknown_generate_dataset(workdir, capsys):
     from stages.generate import main
 

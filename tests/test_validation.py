@@ -209,7 +209,6 @@ def test_reports_are_json_and_summary_lists_failures(rows, tmp_path):
 def project(tmp_path, monkeypatch):
     """A working dir with a minimal params.yaml (no `validate` section: defaults apply)."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("PARALLEL_R1_PARAMS", raising=False)
     monkeypatch.setenv("PARALLEL_R1_TRACKING", "off")
     (tmp_path / "params.yaml").write_text("profile: tiny\n")
     return tmp_path

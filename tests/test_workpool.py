@@ -121,3 +121,21 @@ def test_work_on_a_pool_needs_servers_the_other_machines_reach(monkeypatch):
         monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:////tmp/local.db")
         monkeypatch.setenv("PARALLEL_R1_TRACKING", "off")
         check_shared_services("worker")
+
+
+def test_a_run_is_launched_again_when_it_crashed_or_lacked_a_resource_not_on_its_own_error():
+    from types import SimpleNamespace
+
+    from flows.workpool import worth_another_attempt
+    from parallel_r1.errors import RESOURCE_MARK, ResourceShortage
+
+    def state(kind: str, message: str = "") -> SimpleNamespace:
+        return SimpleNamespace(type=SimpleNamespace(value=kind), message=message)
+
+    error = ResourceShortage("x: too little")
+    shortage = f"Flow run encountered an exception: DvcCommandError: error: {error}"
+    assert RESOURCE_MARK in shortage
+    assert worth_another_attempt(state("CRASHED", "its worker died"))
+    assert worth_another_attempt(state("FAILED", shortage))
+    assert not worth_another_attempt(state("FAILED", "error: params.yaml rl.lr: must be > 0"))
+    assert not worth_another_attempt(state("COMPLETED", shortage))

@@ -92,7 +92,7 @@ def make_engine(kind: EngineKind, model_path: str | os.PathLike, tokenizer, conf
     """A rollout engine for the model folder `model_path`.
 
     backend_options go to the backend that runs: vLLM takes gpu_memory_utilization,
-    enforce_eager, max_model_len, in_process, dtype, scheduling; transformers takes dtype,
+    enforce_eager, max_model_len, in_process, dtype, scheduling, memory_param; transformers takes dtype,
     attn_implementation, max_batch_size, logits_processor, kv_forking, scheduling. Options for the other
     backend are ignored (so "auto" can be given both), and options given as None keep their defaults.
     """
@@ -117,7 +117,8 @@ def make_engine(kind: EngineKind, model_path: str | os.PathLike, tokenizer, conf
     return transformers_engine(model, tokenizer, config, **options)
 
 
-_VLLM_ONLY = frozenset({"gpu_memory_utilization", "enforce_eager", "max_model_len", "in_process"})
+_VLLM_ONLY = frozenset({"gpu_memory_utilization", "enforce_eager", "max_model_len", "in_process",
+                        "memory_param"})
 _TRANSFORMERS_ONLY = frozenset({"attn_implementation", "max_batch_size", "logits_processor", "kv_forking"})
 
 

