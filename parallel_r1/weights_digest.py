@@ -14,7 +14,7 @@ import hashlib
 import importlib.metadata
 import json
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 # Files besides the weights that change what a model generates (the tokenizer renders the prompts)
 DEFINING_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -54,6 +54,19 @@ def _defining_bytes(path: Path) -> bytes:
     config = {key: value for key, value in json.loads(path.read_text(encoding="utf-8")).items()
               if key not in CONFIG_STORAGE_KEYS}
     return json.dumps(config, sort_keys=True).encode()
+
+
+# The one policy of both memos for "the code that produced this": every module of the library (a change
+# anywhere misses: the safe side). The stages' own files are not read: what a stage decides (options, prompt
+# rows, sampling settings) reaches each key as data, and the library never depends on stages/.
+LIBRARY_CODE = tuple(sorted(Path(__file__).resolve().parent.rglob("*.py")))
+
+
+def memo_key(inputs: Sequence[Any], libraries: Iterable[str]) -> str:
+    """sha256 of the JSON of `inputs` (what the caller decides the result by) and the `environment` of the
+    library's code, the `libraries`' versions and the device."""
+    text = json.dumps([*inputs, environment(LIBRARY_CODE, libraries)], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def environment(code: Iterable[Path], libraries: Iterable[str]) -> dict[str, Any]:

@@ -188,11 +188,11 @@ def corrupted_cache_files(out: Any) -> list[str]:
 
         oids = [hash_info.value for _key, _meta, hash_info in Tree.load(out.cache, out.hash_info)]
     bad = []
-    for oid in oids:
+    for oid in oids:   # (not parallel_r1.content_hash: every stage would then depend on it in dvc.yaml)
         path = out.cache.oid_to_path(oid)
         digest = hashlib.md5(usedforsecurity=False)
         with open(path, "rb") as stored:
-            for block in iter(lambda stored=stored: stored.read(1 << 20), b""):
+            while block := stored.read(1 << 20):
                 digest.update(block)
         if digest.hexdigest() != oid:
             bad.append(path)

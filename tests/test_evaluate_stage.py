@@ -418,7 +418,7 @@ def test_identical_weights_reuse_their_samples_and_moved_weights_do_not(inside, 
 def test_memo_answers_come_from_the_current_problems_and_code_changes_miss(tmp_path, monkeypatch):
     """Only generated text is memoised: a corrected answer in data/eval reaches the scores; an edit to
     the generation code, or weights that are not safetensors, give no memo hit."""
-    from parallel_r1 import sample_memo
+    from parallel_r1 import sample_memo, weights_digest
     from parallel_r1.evaluation import sample_from_row
 
     monkeypatch.chdir(tmp_path)
@@ -435,7 +435,7 @@ def test_memo_answers_come_from_the_current_problems_and_code_changes_miss(tmp_p
     assert samples[jobs[0].key].ground_truth == "5"
     code = tmp_path / "engine.py"
     code.write_text("x = 1\n")
-    monkeypatch.setattr(sample_memo, "GENERATION_CODE", (code,))
+    monkeypatch.setattr(weights_digest, "LIBRARY_CODE", (code,))
     before = sample_memo.memo_key(model, {"prompt": "parallel"}, jobs)
     code.write_text("x = 2\n")
     assert sample_memo.memo_key(model, {"prompt": "parallel"}, jobs) != before

