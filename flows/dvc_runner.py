@@ -1,8 +1,9 @@
 """DVC as the flows see it: the stage plan, one `dvc` subprocess per step, and its one-line error.
 
 DVC runs in a subprocess with the flow's interpreter first on PATH, so the stage commands of
-dvc.yaml (`python -m stages.<name>`) run in the same environment as the flow. Its output is
-streamed line by line into the Prefect task log. A failure becomes `DvcCommandError` with the
+dvc.yaml (`python -m stages.<name>`) run in the same environment as the flow; in its own session, under
+flows/dvc_supervisor.py, so it stops with its flow run and dies with the process that started it. Its
+output is streamed line by line into the Prefect task log. A failure becomes `DvcCommandError` with the
 stage's own `error: ...` line when there is one (stages print it, see stages/common.py), else
 DVC's `ERROR: ...` line; lock contention is marked transient so the task may retry it.
 """
@@ -29,6 +30,11 @@ TRANSIENT_PATTERNS = (
     re.compile(r"index\.lock'?: File exists"),
     re.compile(re.escape(RESOURCE_MARK)),
 )
+
+
+# Runs each DVC command (`dvc_command`); the seconds DVC and its stage get to exit on SIGTERM before SIGKILL.
+SUPERVISOR = Path(__file__).with_name("dvc_supervisor.py")
+STOP_GRACE_S = 10.0
 
 
 class DvcCommandError(PipelineError):
@@ -104,10 +110,18 @@ def dvc_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     return out
 
 
+def dvc_command(args: list[str]) -> list[str]:
+    """`python -m dvc <args>` under flows/dvc_supervisor.py, started in its own session: a stopped flow run
+    stops DVC and its stage with one killpg (`_stop_group`), and a flow-run process that dies however (its
+    worker killed with its process group, which the new session leaves out) takes them with it."""
+    return [sys.executable, "-I", str(SUPERVISOR), str(os.getpid()), str(STOP_GRACE_S),
+            sys.executable, "-m", "dvc", *args]
+
+
 def run_dvc(args: list[str], cwd: str | os.PathLike = ".", env: Mapping[str, str] | None = None,
             echo: Callable[[str], object] = print) -> list[str]:
     """Run `dvc <args>`; every output line goes to `echo`; returns the lines, raises on failure."""
-    command = [sys.executable, "-m", "dvc", *args]
+    command = dvc_command(args)
     lines: deque[str] = deque(maxlen=400)
     # Own process group: a cancelled flow run stops DVC *and* the stage command it started.
     with subprocess.Popen(command, cwd=cwd, env=dvc_env(env), stdout=subprocess.PIPE,
@@ -145,7 +159,7 @@ class DvcStream:
 
     def __enter__(self) -> DvcStream:
         # Own process group: a cancelled flow run or Ctrl-C stops DVC *and* the stage command it started.
-        self._proc = subprocess.Popen([sys.executable, "-m", "dvc", *self.args], cwd=self.cwd,
+        self._proc = subprocess.Popen(dvc_command(self.args), cwd=self.cwd,
                                       env=dvc_env(self.env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, text=True, errors="replace",
                                       start_new_session=True)

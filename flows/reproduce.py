@@ -173,8 +173,9 @@ def reproduce(targets: list[str] = [], profile: str | None = None, force: bool =
                                           root, run_id))
         else:
             _fan_out(pool, git_remote, stages, root, force, run_id, outcome)
+        ran = [stage for stage, result in outcome.items() if result == "ran"]  # for those MLflow lacks
         summary = write_run_summary(root, name, load_params(root / PARAMS_FILE), time.monotonic() - started,
-                                    run_id)
+                                    run_id, ran)
     get_run_logger().info("run summary: %s", summary)
     return outcome
 
@@ -186,6 +187,8 @@ def _fan_out(pool: str, git_remote: str, stages: list[str], root: Path, force: b
     ready stages must run, they go to the pool at once and are restored here from the run cache; a lone
     one runs here."""
     reproduce_id = unique_id("reproduce")
+    get_run_logger().info("%s: ready stages that can run at once go to pool %r; `python -m flows.workpool "
+                          "timeline %s` shows which worker ran which", reproduce_id, pool, reproduce_id)
     planned = plan_graph(stages, root)
     upstream = {stage: [up for up in ups if up in stages] for stage, ups in planned.items()
                 if stage in stages}
@@ -202,7 +205,7 @@ def _fan_out(pool: str, git_remote: str, stages: list[str], root: Path, force: b
         sent = ready if len(ready) > 1 else []
         if sent:
             ref = ref or push_baseline(root, git_remote, reproduce_id, allowed={"dvc.lock"},
-                                       carried={PARAMS_FILE})
+                                       carried={str(PARAMS_FILE)})
             run_dvc(["push", "--run-cache"], cwd=root, echo=get_run_logger().info)  # their inputs
             _run_on_pool(pool, sent, ref, run_id, force, git_remote, reproduce_id)
         for stage in ready:  # a worker's stage is restored from the run cache here, not run again

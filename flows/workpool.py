@@ -42,6 +42,7 @@ POLL_S = 2.0
 HEARTBEAT_S = 30
 SILENCE_S = 75
 CRASH_AUTOMATION = "parallel-r1: crash flow runs whose heartbeat stopped"
+WORKER_LABEL = "prefect.worker.name"  # the label a Prefect worker gives each flow run it takes
 
 
 def check_shared_services(what: str) -> None:
@@ -209,21 +210,50 @@ def results(flow_run_ids: list, key: str = "experiment-result") -> dict:
 
 
 def timeline(tag: str, key: str = "experiment-result") -> list[dict[str, str]]:
-    """The flow runs tagged `tag` (`sweep:<id>`, `reproduce:<id>`) as the API has them: name, worker (from
-    their result artifacts `key`), state, start, end (UTC), by start time."""
+    """The flow runs tagged `tag` (`sweep:<id>`, `reproduce:<id>`) as the API has them: name, worker, state,
+    start, end (UTC), by start time (`timeline_row`)."""
     from prefect import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
 
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[tag])))
     rows_by_id = results([run.id for run in runs], key) if runs else {}
-    table = []
-    for run in sorted(runs, key=lambda run: (run.start_time is None, run.start_time or 0, run.name)):
-        table.append({"name": run.name, "worker": (rows_by_id.get(run.id) or {}).get("worker", ""),
-                      "state": run.state.type.value if run.state else "",
-                      "start": run.start_time.isoformat(timespec="seconds") if run.start_time else "",
-                      "end": run.end_time.isoformat(timespec="seconds") if run.end_time else ""})
-    return table
+    return [timeline_row(run, rows_by_id.get(run.id))
+            for run in sorted(runs, key=lambda run: (run.start_time is None, run.start_time or 0, run.name))]
+
+
+def timeline_row(run, result: dict | None) -> dict[str, str]:
+    """One flow run of a timeline. Its worker is the one its result row names; a run that failed or crashed
+    has no row, so the worker is the label Prefect's worker gives each run it takes (`WORKER_LABEL`)."""
+    worker = (result or {}).get("worker") or (getattr(run, "labels", None) or {}).get(WORKER_LABEL, "")
+    return {"name": run.name, "worker": str(worker), "state": run.state.type.value if run.state else "",
+            "start": run.start_time.isoformat(timespec="seconds") if run.start_time else "",
+            "end": run.end_time.isoformat(timespec="seconds") if run.end_time else ""}
+
+
+def timeline_query(run_id: str) -> tuple[str, str]:
+    """(tag, result key) of the flow runs of `run_id`, as a sweep (`sweep-...`, its experiments) or a
+    fanned-out reproduce (`reproduce-...`, its stages) tags them and names their result artifacts."""
+    kind = run_id.split("-", 1)[0]
+    if kind == "reproduce":
+        return f"reproduce:{run_id}", "stage-result"
+    return SWEEP_TAG.format(sweep_id=run_id), "experiment-result"
+
+
+def api_url() -> str:
+    """The Prefect API this process talks to, for messages: PREFECT_API_URL, or the temporary local one."""
+    from prefect.settings import PREFECT_API_URL
+
+    return PREFECT_API_URL.value() or "the temporary local Prefect API (PREFECT_API_URL is not set)"
+
+
+def format_timeline(rows: list[dict[str, str]]) -> list[str]:
+    """The timeline as aligned text under a header: each column as wide as its longest entry, so long
+    experiment or worker names do not push the columns after them out of line."""
+    columns = ("name", "worker", "state", "start", "end")
+    widths = {column: max([len(column), *(len(row[column]) for row in rows)]) for column in columns}
+    lines = [{column: column for column in columns}, *rows]
+    return ["  ".join(f"{line[column]:<{widths[column]}}" for column in columns).rstrip() for line in lines]
 
 
 def worker_command(pool: str, limit: int, name: str) -> list[str]:
@@ -257,11 +287,11 @@ def main() -> None:
         if args.command == "worker":
             start_worker(args.pool, args.limit, Path.cwd().resolve())
         else:
-            kind = args.run_id.split("-", 1)[0]
-            key = "stage-result" if kind == "reproduce" else "experiment-result"
-            for row in timeline(f"{kind}:{args.run_id}", key):
-                widths = (("name", 28), ("worker", 40), ("state", 10), ("start", 25), ("end", 25))
-                print("  ".join(f"{row[key]:<{width}}" for key, width in widths))
+            tag, key = timeline_query(args.run_id)
+            if not (rows := timeline(tag, key)):
+                raise PipelineError(f"no flow runs tagged {tag!r} on {api_url()}: the id the sweep or"
+                                    " `make run POOL=...` logged first, on the server its workers use?")
+            print("\n".join(format_timeline(rows)))
     except PipelineError as err:
         sys.exit(f"error: {err}")
 

@@ -3,8 +3,9 @@
 Written at the end of `make run` and `flows.reproduce`, as nanochat's run writes its report.md, so a
 run's record is a file beside its results instead of a table someone keeps by hand. Everything in it is
 read from what the run already wrote: the machine from the OS and torch, stage wall times from the
-invocation's MLflow child runs (a stage DVC found up to date has no run and is not listed), the headline
-numbers from metrics/ and reports/table2.md.
+invocation's MLflow child runs (a stage DVC found up to date has no run and is not listed; one DVC ran while
+MLflow was unreachable has none either, and is named as missing), the headline numbers from metrics/ and
+reports/table2.md.
 """
 
 from __future__ import annotations
@@ -50,12 +51,31 @@ def _minutes(start_ms: int | None, end_ms: int | None) -> str:
     return "—" if start_ms is None or end_ms is None else f"{(end_ms - start_ms) / 60000:.1f}"
 
 
-def _stage_rows(stage_runs: Sequence[Mapping[str, Any]] | None) -> list[str]:
+def missing_stage_runs(ran: Sequence[str], stage_runs: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The stages DVC ran in this invocation that have no MLflow run under it: a stage whose run could not
+    be created (the server was down when it started) goes on without one, and nothing logs it later.
+
+    A run stands for the DVC stage its `dvc_stage` tag names, else its name without the bracketed label.
+    """
+    logged = {run.get("dvc_stage") or str(run["name"]).split(" (", 1)[0] for run in stage_runs}
+    return [stage for stage in ran if stage not in logged]
+
+
+def _quoted(stages: Sequence[str]) -> str:
+    return ", ".join(f"`{stage}`" for stage in stages)
+
+
+def _stage_rows(stage_runs: Sequence[Mapping[str, Any]] | None, ran: Sequence[str] = ()) -> list[str]:
     if stage_runs is None:
-        return ["Stage times come from the invocation's MLflow runs; tracking was off or unreachable."]
+        return ["Stage times come from the invocation's MLflow runs; tracking was off or unreachable."
+                + (f" DVC ran: {_quoted(ran)}." if ran else "")]
+    missing = missing_stage_runs(ran, stage_runs)
+    gap = ([f"**Not in MLflow:** {_quoted(missing)} ran in this invocation but have no MLflow run (the "
+            "tracking server was unreachable when they started); their logs and metrics/ hold what they did.",
+            ""] if missing else [])
     if not stage_runs:
-        return ["No stage ran: DVC found every stage up to date."]
-    rows = ["| Stage run | Status | Minutes |", "|---|---|---|"]
+        return gap or ["No stage ran: DVC found every stage up to date."]
+    rows = [*gap, "| Stage run | Status | Minutes |", "|---|---|---|"]
     rows += [f"| `{run['name']}` | {run['status']} | {_minutes(run['start_ms'], run['end_ms'])} |"
              for run in stage_runs]
     return rows
@@ -122,7 +142,9 @@ def _table2_rows(root: Path) -> list[str]:
 
 
 def render(facts: Mapping[str, Any], invocation: str, profile: str, total_seconds: float,
-           stage_runs: Sequence[Mapping[str, Any]] | None, root: Path, finished: datetime) -> str:
+           stage_runs: Sequence[Mapping[str, Any]] | None, root: Path, finished: datetime,
+           ran: Sequence[str] = ()) -> str:
+    """The summary's markdown; `ran`: the stages DVC ran in this invocation (`missing_stage_runs`)."""
     gpus = ", ".join(facts["gpus"]) or "none"
     lines = [
         f"# Run summary — `{invocation}`, profile `{profile}`", "",
@@ -132,7 +154,7 @@ def render(facts: Mapping[str, Any], invocation: str, profile: str, total_second
         f"{'' if facts['flags'] else ', '.join(CPU_FLAGS)}",
         f"- GPUs: {gpus}",
         f"- Training and decoding dtype: {facts['dtype']} (torch {facts['torch']}, Python {facts['python']})",
-        "", "## Stages that ran", "", *_stage_rows(stage_runs), "", "## Headline numbers", "",
+        "", "## Stages that ran", "", *_stage_rows(stage_runs, ran), "", "## Headline numbers", "",
     ]
     headline = _sft_rows(root) + _rl_rows(root) + _table2_rows(root)
     lines += headline or ["No metrics yet (no SFT, RL or Table 2 output in this project)."]
@@ -140,13 +162,14 @@ def render(facts: Mapping[str, Any], invocation: str, profile: str, total_second
 
 
 def write_run_summary(root: Path, invocation: str, params: Mapping[str, Any], total_seconds: float,
-                      parent_run_id: str | None) -> Path:
-    """Write reports/run_summary.md under `root` for the invocation whose MLflow run is `parent_run_id`."""
+                      parent_run_id: str | None, ran: Sequence[str] = ()) -> Path:
+    """Write reports/run_summary.md under `root` for the invocation whose MLflow run is `parent_run_id`;
+    `ran`: the stages DVC ran (not found up to date nor restored), so those MLflow lacks are named."""
     from parallel_r1 import tracking
 
     dtype = str((params.get("model") or {}).get("dtype", "float32"))
     text = render(machine(dtype), invocation, str(params.get("profile")), total_seconds,
-                  tracking.child_runs(parent_run_id), root, datetime.now(timezone.utc))
+                  tracking.child_runs(parent_run_id), root, datetime.now(timezone.utc), ran)
     path = root / SUMMARY_PATH
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")

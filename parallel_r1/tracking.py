@@ -312,7 +312,8 @@ def run_url(run_id: str) -> str | None:
 
 def child_runs(run_id: str | None) -> list[dict[str, Any]] | None:
     """The runs nested directly under `run_id`, oldest first: name, status, start and end (epoch ms; end
-    None while running). None when tracking is off or the store cannot be read."""
+    None while running), the DVC stage it ran for (tag `dvc_stage`; "" for other runs). None when tracking is
+    off or the store cannot be read."""
     if not run_id or not enabled():
         return None
 
@@ -322,7 +323,8 @@ def child_runs(run_id: str | None) -> list[dict[str, Any]] | None:
         runs = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{run_id}'",
                                   order_by=["attributes.start_time ASC"], max_results=10_000)
         return [{"name": run.info.run_name, "status": run.info.status, "start_ms": run.info.start_time,
-                 "end_ms": run.info.end_time} for run in runs]
+                 "end_ms": run.info.end_time, "dvc_stage": run.data.tags.get(TAG_DVC_STAGE, "")}
+                for run in runs]
 
     return _guard("list the invocation's stage runs", search, disable=False)
 

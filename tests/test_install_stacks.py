@@ -12,6 +12,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 _SPEC = importlib.util.spec_from_file_location("lock", REPO / "requirements" / "lock.py")
@@ -59,6 +60,39 @@ def test_make_setup_installs_the_chosen_stack_with_its_lock(tmp_path, gpu, stack
     assert f"-c requirements/{stack}.lock -e '.[{stack},dev]'" in done.stdout
     assert ("uninstall -q -y torchvision" in done.stdout) == (stack == "cpu")
     assert f"touch {venv}/.installed-{stack}" in done.stdout
+
+
+def test_venv_dvc_repro_runs_its_stages_on_the_venv_python_without_activation(tmp_path):
+    """README's `.venv/bin/dvc repro` from a shell whose PATH lacks the venv: the stage's `python` is the
+    venv's once `make setup` ran requirements/dvc_wrapper.sh (pip's console script leaves it the system's)."""
+    import sysconfig
+
+    project = tmp_path / "project"
+    venv, bin_dir = project / ".venv", project / ".venv" / "bin"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = Path(sysconfig.get_path("purelib", vars={"base": str(venv), "platbase": str(venv)}))
+    (site / "this_venv.pth").write_text(sysconfig.get_path("purelib") + "\n")  # DVC from the test's venv
+    script = f"#!{bin_dir}/python\nimport sys\nfrom dvc.cli import main\nsys.exit(main())\n"
+    (bin_dir / "dvc").write_text(script)  # as pip writes it
+    (bin_dir / "dvc").chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "DVC_NO_ANALYTICS": "1"}
+    subprocess.run([str(bin_dir / "dvc"), "init", "-q", "--no-scm"], cwd=project, env=env, check=True)
+    stage = {"cmd": "python -c 'import dvc, sys; print(sys.prefix)' > prefix.txt", "outs": ["prefix.txt"]}
+    (project / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"prefix": stage}}))
+
+    def repro() -> str | None:
+        done = subprocess.run([".venv/bin/dvc", "repro", "-q", "--force"], cwd=project, env=env,
+                              capture_output=True, text=True)
+        return (project / "prefix.txt").read_text().strip() if done.returncode == 0 else None
+
+    assert repro() != str(venv)  # the system's python: no dvc module, or another prefix
+    make = subprocess.run(["make", "-n", "setup", f"VENV={venv}"], cwd=REPO, capture_output=True, text=True)
+    assert f"sh requirements/dvc_wrapper.sh {bin_dir}" in make.stdout
+    subprocess.run(["sh", str(REPO / "requirements" / "dvc_wrapper.sh"), str(bin_dir)], check=True)
+    written = (bin_dir / "dvc").stat().st_mtime_ns
+    subprocess.run(["sh", str(REPO / "requirements" / "dvc_wrapper.sh"), str(bin_dir)], check=True)
+    assert (bin_dir / "dvc").stat().st_mtime_ns == written  # idempotent: the same wrapper is not rewritten
+    assert repro() == str(venv)
 
 
 def pypi_reachable() -> bool:

@@ -44,3 +44,22 @@ def test_summary_says_why_stage_times_are_missing_or_empty(tmp_path):
     assert "tracking was off" in render(FACTS, "make-run@all", "tiny", 1.0, None, tmp_path, WHEN)
     nothing = render(FACTS, "make-run@all", "tiny", 1.0, [], tmp_path, WHEN)
     assert "DVC found every stage up to date" in nothing and "No metrics yet" in nothing
+
+
+def test_summary_names_the_stages_that_ran_while_mlflow_was_unreachable(tmp_path):
+    runs = [{"name": "prepare_data", "status": "FINISHED", "start_ms": 0, "end_ms": 60_000,
+             "dvc_stage": "prepare_data"},
+            {"name": "rl@parallel_only (accuracy)", "status": "FINISHED", "start_ms": 0, "end_ms": 60_000,
+             "dvc_stage": "rl@parallel_only"},
+            {"name": "evaluate@base", "status": "FINISHED", "start_ms": 0, "end_ms": 60_000}]  # by its name
+    ran = ["prepare_data", "sft@seen", "rl@parallel_only", "evaluate@base", "table2"]
+    text = render(FACTS, "make-run@all", "small", 600.0, runs, tmp_path, WHEN, ran)
+    (line,) = [line for line in text.splitlines() if line.startswith("**Not in MLflow:**")]
+    assert line.startswith("**Not in MLflow:** `sft@seen`, `table2` ran in this invocation but have no")
+    assert "| `prepare_data` | FINISHED | 1.0 |" in text  # the runs MLflow has are still listed
+    only_missing = render(FACTS, "make-run@all", "small", 1.0, [], tmp_path, WHEN, ["sft@seen"])
+    assert "**Not in MLflow:** `sft@seen`" in only_missing and "up to date" not in only_missing
+    unreachable = render(FACTS, "make-run@all", "small", 1.0, None, tmp_path, WHEN, ["sft@seen", "table2"])
+    assert "tracking was off or unreachable. DVC ran: `sft@seen`, `table2`." in unreachable
+    complete = render(FACTS, "make-run@all", "small", 1.0, runs, tmp_path, WHEN, ["prepare_data"])
+    assert "Not in MLflow" not in complete

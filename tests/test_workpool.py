@@ -3,15 +3,18 @@ pool runs (pushed, or refused with one line), and the private clone a worker run
 
 from __future__ import annotations
 
+import contextlib
+import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import yaml
 
-from flows.dvc_runner import plan_graph, workspace_metrics
-from flows.remote import SWEEP_REF_PREFIX, private_clone, push_baseline, stage_outs
+from flows.dvc_runner import DvcCommandError, plan_graph, workspace_metrics
+from flows.remote import SWEEP_REF_PREFIX, private_clone, push_baseline, push_experiment, stage_outs
 from parallel_r1.errors import PipelineError
 
 GIT = ["git", "-c", "user.name=test", "-c", "user.email=test@localhost"]
@@ -103,6 +106,47 @@ def test_private_clone_runs_the_pushed_commit_on_the_worker_clones_cache_and_rem
     assert pushed.read_text() == "a\n"
 
 
+@contextlib.contextmanager
+def refusing_writes(folder: Path) -> Iterator[None]:
+    """`folder` read-only: its mode, and for root (whom modes do not stop) the immutable flag, as a lab's
+    remote mounted read-only or without write permission refuses a push."""
+    folder.mkdir(parents=True, exist_ok=True)
+    folder.chmod(0o555)
+    as_root = os.geteuid() == 0
+    if as_root and subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode != 0:
+        folder.chmod(0o755)
+        pytest.skip("root without chattr +i: no way to make a folder refuse writes")
+    try:
+        yield
+    finally:
+        if as_root:
+            subprocess.run(["chattr", "-i", str(folder)], check=True)
+        folder.chmod(0o755)
+
+
+def test_a_push_is_all_or_nothing_no_ref_on_origin_without_its_data(diamond, tmp_path):
+    for key, value in (("user.name", "test"), ("user.email", "test@localhost")):  # DVC commits the experiment
+        run("git", "config", key, value, cwd=diamond)
+    run(sys.executable, "-m", "dvc", "exp", "run", "-q", "--name", "exp-1", "b", cwd=diamond)
+    origin, dvc_remote = str(tmp_path / "origin.git"), tmp_path / "dvc-remote"
+
+    def exp_refs() -> list[str]:
+        return [line.split()[1] for line in run("git", "ls-remote", origin, cwd=tmp_path).splitlines()
+                if "refs/exps/" in line]
+
+    with refusing_writes(dvc_remote), pytest.raises(DvcCommandError) as refused:
+        push_experiment(diamond, "origin", "exp-1", echo=lambda line: None)
+    why = str(refused.value)
+    assert why.startswith("its data did not reach the DVC remote, so its git ref was not pushed: ERROR: ")
+    assert "\n" not in why and ("Operation not permitted" in why or "Permission denied" in why)
+    assert exp_refs() == []  # the ref stayed in the clone
+    push_experiment(diamond, "origin", "exp-1", echo=lambda line: None)  # the remote writable again
+    assert [ref.rsplit("/", 1)[-1] for ref in exp_refs()] == ["exp-1"]
+    digest = stage_outs(diamond, ["b"])["b.txt"]
+    assert (dvc_remote / "files" / "md5" / digest[:2] / digest[2:]).read_text() == "a\n"
+    assert any(path.is_file() for path in (dvc_remote / "runs").rglob("*"))  # DVC's run cache as well
+
+
 def test_work_on_a_pool_needs_servers_the_other_machines_reach(monkeypatch):
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -139,3 +183,121 @@ def test_a_run_is_launched_again_when_it_crashed_or_lacked_a_resource_not_on_its
     assert worth_another_attempt(state("FAILED", shortage))
     assert not worth_another_attempt(state("FAILED", "error: params.yaml rl.lr: must be > 0"))
     assert not worth_another_attempt(state("COMPLETED", shortage))
+
+
+def test_the_timeline_aligns_long_names_and_names_the_worker_of_a_run_that_failed():
+    from datetime import datetime, timezone
+    from types import SimpleNamespace
+
+    from flows.remote import unique_id
+    from flows.workpool import WORKER_LABEL, format_timeline, timeline_query, timeline_row
+
+    def flow_run(name: str, state: str, worker: str, minute: int) -> SimpleNamespace:
+        return SimpleNamespace(name=name, state=SimpleNamespace(type=SimpleNamespace(value=state)),
+                               labels={WORKER_LABEL: worker}, end_time=None,
+                               start_time=datetime(2026, 12, 7, 0, minute, tzinfo=timezone.utc))
+
+    sweep_id = unique_id("sweep")
+    done = timeline_row(flow_run(f"{sweep_id}-1", "COMPLETED", "node-1-clone", 1), {"worker": "node-1-clone"})
+    long_name = f"{sweep_id}-2-parallel_r1_unseen_s1-alternating-seed3"
+    failed = timeline_row(flow_run(long_name, "FAILED", "gpu-node-17.lab.example.org-parallel-r1", 2), None)
+    assert failed["worker"] == "gpu-node-17.lab.example.org-parallel-r1"  # no result row: the worker's label
+    header, *lines = format_timeline([done, failed])
+    assert header.split() == ["name", "worker", "state", "start", "end"]
+    for column, values in (("worker", ("node-1-clone", "gpu-node-17")), ("state", ("COMPLETED", "FAILED")),
+                           ("start", ("2026-12-07T00:01", "2026-12-07T00:02"))):
+        starts = [line.index(value) for line, value in zip(lines, values, strict=True)]
+        assert starts == [header.index(column)] * 2
+    # the ids the flows log are the ones `python -m flows.workpool timeline <id>` looks up
+    assert timeline_query(sweep_id) == (f"sweep:{sweep_id}", "experiment-result")
+    reproduce_id = unique_id("reproduce")
+    assert timeline_query(reproduce_id) == (f"reproduce:{reproduce_id}", "stage-result")
+
+
+def test_a_worker_killed_with_its_process_group_takes_dvc_and_its_stage_with_it(tmp_path):
+    """run_dvc starts DVC in its own session (a stopped flow run stops it with one killpg), which a worker's
+    `kill -9 -- -<pgid>` does not reach: flows/dvc_supervisor.py, the session's leader, ends it instead."""
+    import signal
+    import time
+
+    import psutil
+
+    from flows.dvc_runner import STOP_GRACE_S
+
+    project = tmp_path / "project"
+    project.mkdir()
+    run(sys.executable, "-m", "dvc", "init", "-q", "--no-scm", cwd=project)
+    sleeper = "import os, time; open('stage.pid', 'w').write(str(os.getpid())); time.sleep(300)"
+    (project / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"train": {
+        "cmd": f'python -c "{sleeper}"', "outs": ["model.txt"]}}}))
+    launch = f"from flows.dvc_runner import run_dvc; run_dvc(['repro'], cwd={str(project)!r})"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), DVC_NO_ANALYTICS="1")
+    worker = subprocess.Popen([sys.executable, "-c", launch], env=env, start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    started = []  # the worker's descendants, killed at the end whatever happened
+    try:
+        deadline = time.monotonic() + 60
+        while not (project / "stage.pid").is_file() or not (project / "stage.pid").read_text():
+            assert worker.poll() is None and time.monotonic() < deadline, "the stage did not start"
+            time.sleep(0.2)
+        started = psutil.Process(worker.pid).children(recursive=True)  # supervisor, DVC, the stage
+        assert int((project / "stage.pid").read_text()) in {process.pid for process in started}
+        assert all(os.getpgid(process.pid) != worker.pid for process in started)  # out of the worker's group
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait()
+        _, alive = psutil.wait_procs(started, timeout=STOP_GRACE_S + 10)
+        assert not [process for process in alive if process.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        for process in started:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+
+
+def test_a_stopped_dvc_command_returns_once_its_stage_has_cleaned_up(tmp_path):
+    """A stopped flow run (an exception inside `DvcStream`, Ctrl-C) SIGTERMs DVC's group; under the supervisor
+    the stop returns when the stage's own SIGTERM handler (stages put their outputs back) has finished."""
+    import psutil
+
+    from flows.dvc_runner import DvcStream
+
+    project = tmp_path / "project"
+    project.mkdir()
+    run(sys.executable, "-m", "dvc", "init", "-q", "--no-scm", cwd=project)
+    (project / "stage.py").write_text(
+        "import os, signal, sys, time\n"
+        "def clean_up(signum, frame):\n"
+        "    time.sleep(1)\n"
+        "    open('cleaned', 'w').close()\n"
+        "    sys.exit(1)\n"
+        "signal.signal(signal.SIGTERM, clean_up)\n"
+        "open('stage.pid', 'w').write(str(os.getpid()))\n"
+        "print('started', flush=True)\n"
+        "time.sleep(300)\n")
+    (project / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"train": {
+        "cmd": "python stage.py", "deps": ["stage.py"], "outs": ["model.txt"]}}}))
+    with pytest.raises(KeyboardInterrupt), DvcStream(["repro"], project) as stream:
+        for line in stream:
+            if line == "started":
+                raise KeyboardInterrupt
+    assert (project / "cleaned").is_file()  # the stage's handler ran to its end before the stop returned
+    stage = int((project / "stage.pid").read_text())
+    assert not psutil.pid_exists(stage) or psutil.Process(stage).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_fanned_out_reproduce_logs_the_id_its_timeline_is_looked_up_by(monkeypatch, tmp_path):
+    import re
+    from types import SimpleNamespace
+
+    from flows import reproduce
+    from flows.workpool import timeline_query
+
+    logged = []
+    logger = SimpleNamespace(info=lambda message, *args: logged.append(message % args))
+    monkeypatch.setattr(reproduce, "get_run_logger", lambda: logger)
+    monkeypatch.setattr(reproduce, "plan_graph", lambda stages, root: {})  # nothing to run
+    reproduce._fan_out("parallel-r1", "origin", [], tmp_path, False, None, {})
+    (line,) = logged
+    reproduce_id = line.split(":", 1)[0]
+    assert re.fullmatch(r"reproduce-20\d{6}-\d{6}-[0-9a-f]{6}", reproduce_id)
+    assert f"`python -m flows.workpool timeline {reproduce_id}`" in line
+    assert timeline_query(reproduce_id)[0] == f"reproduce:{reproduce_id}"  # the tag _run_on_pool gives runs
