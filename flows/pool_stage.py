@@ -65,7 +65,7 @@ def pool_stage(stage: str, baseline_ref: str, parent_run_id: str | None = None, 
     remove_stale_folders(work, logger)
     env = tracking.child_env(parent_run_id)
     try:
-        remote.private_clone(worker_clone, git_remote, baseline_ref, work)
+        remote.private_clone(worker_clone, git_remote, baseline_ref, work, log=logger.info)
         checkpoints = CheckpointStore.for_experiment(work, reproduce_id, safe_name)
         resumed_from = pull_checkpoints(checkpoints, work, stage, logger)
         upstream = [name for name in plan_stages([stage], work) if name != stage]

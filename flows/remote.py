@@ -6,8 +6,8 @@ A sweep on a pool runs on machines that share nothing but two remotes: the proje
 each experiment runs in a private clone of that commit (so runs on one worker never share a
 work tree), whose DVC cache is the worker clone's cache (inputs are fetched once per machine)
 and whose remote is the worker clone's remote, resolved to an absolute URL (a relative path in
-.dvc/config is relative to the clone it is read in). Results go back as `dvc exp push`: the
-experiment's git ref to the git remote, its outputs and DVC's run cache to the DVC remote.
+.dvc/config is relative to the clone it is read in). Results go back all or nothing (`push_experiment`):
+the experiment's outputs and DVC's run cache to the DVC remote first, then its git ref to the git remote.
 """
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ import subprocess
 import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Collection
+from typing import Callable, Collection
 
 import yaml
 
+from flows.dvc_runner import DvcCommandError, run_dvc
+from parallel_r1 import mirror
 from parallel_r1.errors import PipelineError
 
 SWEEP_REF_PREFIX = "refs/sweeps/"
@@ -96,11 +98,14 @@ def dvc_settings(root: Path) -> dict[str, str]:
     return {"core.remote": name, f"remote.{name}.url": url, "cache.dir": str(cache_dir)}
 
 
-def private_clone(worker_clone: Path, git_remote: str, ref: str, destination: Path) -> Path:
+def private_clone(worker_clone: Path, git_remote: str, ref: str, destination: Path,
+                  log: Callable[[str], None] = print) -> Path:
     """`destination`: a clone of `ref` from the worker clone's git remote, on its DVC cache and remote.
 
     The worker clone's .dvc/config.local (credentials, a remote overridden for this machine) is copied
-    first; the remote URL and the cache dir are then written absolute.
+    first; the remote URL and the cache dir are then written absolute. Its data mirror (git-ignored, so not in
+    the clone) is the worker clone's, made by `make data` there if it is not yet, hard-linked and checked file
+    by file against the data manifest (parallel_r1/mirror.py): the clone reads the data its worker reads.
     """
     settings = dvc_settings(worker_clone)
     if destination.exists():
@@ -118,6 +123,7 @@ def private_clone(worker_clone: Path, git_remote: str, ref: str, destination: Pa
         shutil.copy2(local, destination / ".dvc" / "config.local")
     for key, value in settings.items():
         _dvc_config(destination, key, value)
+    mirror.fill_clone(worker_clone, destination, log=log)
     return destination
 
 
@@ -132,6 +138,22 @@ def stage_outs(root: Path, stages: list[str]) -> dict[str, str]:
         for out in (lock.get(stage) or {}).get("outs") or []:
             found[out["path"]] = out.get("md5") or out.get("etag") or out.get("checksum") or ""
     return found
+
+
+def push_experiment(work: Path, git_remote: str, name: str, echo: Callable[[str], object] = print) -> None:
+    """Push experiment `name` of the clone `work` all or nothing: its data first, then its git ref.
+
+    `dvc exp push --run-cache` pushes the ref before the data, so a DVC remote that refuses writes left a ref
+    on the git remote whose outputs no clone can pull. Here `dvc push --run-cache` of the workspace (which
+    `dvc exp run` leaves holding the experiment's outputs and dvc.lock) goes first; only when it succeeded
+    does `dvc exp push --no-cache` send the ref. A refused data push raises one line, DVC's reason.
+    """
+    try:
+        run_dvc(["push", "--run-cache"], cwd=work, echo=echo)
+    except DvcCommandError as err:
+        why = f"its data did not reach the DVC remote, so its git ref was not pushed: {err}"
+        raise type(err)(why) from None
+    run_dvc(["exp", "push", "--no-cache", git_remote, name], cwd=work, echo=echo)
 
 
 def _dvc_config(root: Path, key: str, value: str) -> None:

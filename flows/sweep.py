@@ -160,7 +160,9 @@ def sweep(configurations: list[str], reward_schedules: list[str] = [], seeds: li
     sweep_id = unique_id("sweep")
     experiments = plan_sweep(configurations, reward_schedules, seeds, profile, target, grid, sweep_id)
     logger = get_run_logger()
-    logger.info("%s: %d experiments%s", sweep_id, len(experiments), f" on pool {pool!r}" if pool else "")
+    logger.info("%s: %d experiments%s", sweep_id, len(experiments),
+                f" on pool {pool!r} (`python -m flows.workpool timeline {sweep_id}`: which worker ran which)"
+                if pool else "")
     if pool:
         workpool.check_shared_services("sweep on a pool")
         baseline_ref = push_baseline(root, git_remote, sweep_id)  # before the MLflow run: refusal makes none

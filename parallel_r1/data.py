@@ -1,4 +1,4 @@
-"""Dataset sources: an offline mirror directory first, else the Hugging Face Hub.
+"""Dataset sources: the data mirror, data.mirror_dir, and nothing else.
 
 Every source is normalised to one record shape so later stages never care where a
 row came from:
@@ -6,8 +6,10 @@ row came from:
     problem: id, question, ground_truth, answer_kind ("gsm8k" | "math"), dataset
 
 `answer_kind` picks the answer checker (numeric for GSM8K, Minerva-normalised for
-DAPO and the competition sets). The mirror layout is that of `../shared/data`
-(see its README); the Hub ids are the public datasets it mirrors.
+DAPO and the competition sets). The mirror's layout and where each file is published are in
+parallel_r1/data_manifest.yaml; `make data` (parallel_r1/mirror.py) fills the folder and verifies it. Stages
+read only that folder, whose files dvc.yaml lists as dependencies: data read from anywhere else (the Hub at
+read time, a folder named by an env var) would be data that dvc.lock never recorded.
 """
 
 from __future__ import annotations
@@ -20,8 +22,6 @@ from typing import Callable
 from parallel_r1.errors import PipelineError
 from parallel_r1.io import read_jsonl_lines
 
-MIRROR_ENV = "PARALLEL_R1_DATA"
-
 
 def _gsm8k_truth(row: dict) -> str:
     """GSM8K stores the answer after `####` in the solution text."""
@@ -32,30 +32,29 @@ def _gsm8k_truth(row: dict) -> str:
 
 @dataclass(frozen=True)
 class Source:
-    """Where one dataset lives: a mirror file and the Hub dataset it copies."""
+    """Where one dataset lives: its mirror file (and, for provenance strings, the dataset it is published
+    as)."""
 
     mirror_file: str
     hub_id: str | None
-    hub_config: str | None
-    hub_split: str
     answer_kind: str
     question_field: str = "question"
     truth: Callable[[dict], str] = lambda row: str(row.get("ground_truth", row.get("answer", "")))
 
 
 SOURCES: dict[str, Source] = {
-    "gsm8k_train": Source("gsm8k/train.jsonl", "openai/gsm8k", "main", "train", "gsm8k", truth=_gsm8k_truth),
-    "gsm8k_test": Source("gsm8k/test.jsonl", "openai/gsm8k", "main", "test", "gsm8k", truth=_gsm8k_truth),
-    "dapo": Source("dapo_math_17k.jsonl", "Leo-Dai/dapo-math-17k_dedup", None, "train", "math", "problem"),
-    "aime24": Source("eval/aime24.jsonl", "HuggingFaceH4/aime_2024", None, "train", "math", "problem"),
-    "aime25": Source("eval/aime25.jsonl", "math-ai/aime25", None, "test", "math", "problem"),
-    "amc23": Source("eval/amc23.jsonl", "math-ai/amc23", None, "test", "math", "question"),
-    "math": Source("eval/math300.jsonl", None, None, "test", "math", "problem"),
-    "math500": Source("eval/math500.jsonl", "HuggingFaceH4/MATH-500", None, "test", "math", "problem"),
+    "gsm8k_train": Source("gsm8k/train.jsonl", "openai/gsm8k", "gsm8k", truth=_gsm8k_truth),
+    "gsm8k_test": Source("gsm8k/test.jsonl", "openai/gsm8k", "gsm8k", truth=_gsm8k_truth),
+    "dapo": Source("dapo_math_17k.jsonl", "Leo-Dai/dapo-math-17k_dedup", "math", "problem"),
+    "aime24": Source("eval/aime24.jsonl", None, "math", "problem"),   # the four: the authors' APO_combine set
+    "aime25": Source("eval/aime25.jsonl", None, "math", "problem"),
+    "amc23": Source("eval/amc23.jsonl", None, "math", "problem"),
+    "math": Source("eval/math300.jsonl", None, "math", "problem"),
+    "math500": Source("eval/math500.jsonl", "HuggingFaceH4/MATH-500", "math", "problem"),
 }
 # The released cold-start generations are outputs of this teacher (the mirror's README).
 TEACHER_DEMOS_MODEL = "deepseek-ai/DeepSeek-R1-0528-Qwen3-8B"
-TEACHER_DEMOS = Source("teacher_demos_gsm8k.jsonl", "Parallel-R1/Parallel-GSM8K", None, "train", "gsm8k")
+TEACHER_DEMOS = Source("teacher_demos_gsm8k.jsonl", "Parallel-R1/Parallel-GSM8K", "gsm8k")
 
 
 # Problem sets built from other sources (prepare_data's `source` takes these names too).
@@ -74,48 +73,23 @@ def mirror_files(name: str) -> frozenset[str]:
     return frozenset({SOURCES[name].mirror_file})
 
 
-def mirror_dir(configured: str | os.PathLike | None) -> Path | None:
-    """The mirror folder: env PARALLEL_R1_DATA if set, else the param; None = use the Hub.
-
-    Under DVC (env DVC_STAGE: a stage `dvc repro` runs) the env var may not point elsewhere than the
-    param: dvc.lock records the hashes of the param's files, so reading another mirror would make the
-    lineage lie (`dvc status` up to date on data the stage never read)."""
-    override, chosen = os.environ.get(MIRROR_ENV), configured
-    if override:
-        differs = not configured or Path(override).resolve() != Path(configured).resolve()
-        if differs and os.environ.get("DVC_STAGE"):
-            raise PipelineError(f"${MIRROR_ENV}={override} differs from params.yaml data.mirror_dir "
-                                f"({configured or 'none'}), whose files dvc.lock records: set "
-                                f"data.mirror_dir instead (or unset {MIRROR_ENV} under dvc repro)")
-        chosen = override
-    return Path(chosen) if chosen else None
+def mirror_dir(configured: str | os.PathLike | None) -> Path:
+    """The mirror folder, params.yaml data.mirror_dir (stages.common anchors a relative one at the
+    project)."""
+    if not configured:
+        raise PipelineError("params.yaml data.mirror_dir is empty: name the folder `make data` fills "
+                            "(mirror)")
+    return Path(configured)
 
 
-def _load_raw(name: str, source: Source, mirror: Path | None) -> list[tuple[str, dict]]:
-    """(where, raw row) from the mirror file, else the Hub; one error naming both when neither works.
-
-    `where` names a row as its file shows it: `<mirror file>:<line>`, or `<hub id> row <n>` (from 1).
-    """
-    looked = []
-    if mirror is not None:
-        path = mirror / source.mirror_file
-        if path.is_file():
-            return [(f"{path}:{lineno}", row) for lineno, row in read_jsonl_lines(path)]
-        looked.append(f"mirror {path} (missing)")
-    else:
-        looked.append(f"mirror (none configured: params.yaml data.mirror_dir or ${MIRROR_ENV})")
-    if source.hub_id is None:
-        looked.append("Hub (no public Hub copy of this set)")
-    else:
-        try:
-            import datasets
-
-            rows = datasets.load_dataset(source.hub_id, source.hub_config, split=source.hub_split)
-            return [(f"{source.hub_id} row {index}", dict(row)) for index, row in enumerate(rows, start=1)]
-        except Exception as err:  # offline, missing, renamed: all mean "not available here"
-            reason = str(err).splitlines()[0][:120] if str(err) else type(err).__name__
-            looked.append(f"Hub {source.hub_id} ({reason})")
-    raise PipelineError(f"dataset {name}: not available — looked in " + "; ".join(looked))
+def _load_raw(name: str, source: Source, mirror: Path) -> list[tuple[str, dict]]:
+    """(where, raw row) from the mirror file, `where` as `<mirror file>:<line>`; one line naming the file
+    and `make data` when it is missing."""
+    path = mirror / source.mirror_file
+    if not path.is_file():
+        raise PipelineError(f"dataset {name}: {path} not found; run `make data` (it fills data.mirror_dir "
+                            f"from $PARALLEL_R1_DATA, ../shared/data or the datasets' published sources)")
+    return [(f"{path}:{lineno}", row) for lineno, row in read_jsonl_lines(path)]
 
 
 def load_problems(name: str, mirror: str | os.PathLike | None, limit: int | None = None) -> list[dict]:

@@ -3,7 +3,7 @@
     dvc repro prepare_data
     python -m stages.prepare_data
 
-Writes data/rl/<name>.jsonl and data/eval/<name>.jsonl from the mirror (or the Hub), or generated
+Writes data/rl/<name>.jsonl and data/eval/<name>.jsonl from the data mirror (`make data`), or generated
 (`source: arithmetic` with a `level` of `data.arithmetic.levels` and a `split`, train or heldout:
 parallel_r1/arithmetic.py), each cut to the profile's `limit`.
 """

@@ -10,7 +10,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-MIRROR = Path(os.environ.get("PARALLEL_R1_DATA", REPO.parent / "shared" / "data"))
+# The reference data mirror, where `make data` copies from: $PARALLEL_R1_DATA, else ../shared/data; a clone
+# without either uses its own mirror/ once `make data` has filled it (downloaded, checked like any other).
+MIRROR = Path(os.environ.get("PARALLEL_R1_DATA") or next(
+    (path for path in (REPO.parent / "shared" / "data", REPO / "mirror") if path.is_dir()),
+    REPO.parent / "shared" / "data"))
 
 # Under pytest-xdist (`make test`), each worker and the stage processes it starts share the cores
 # instead of each running one thread per core: oversubscribed OpenMP threads spin and slow both.
@@ -66,10 +70,11 @@ def tags(tokenizer):
 def copy_repo(destination: Path, mirror_dir: Path | None = None, profile: str = "tiny") -> Path:
     """A runnable copy of this checkout (tracked + untracked-not-ignored files) as a fresh git repo.
 
-    DVC needs a git work tree, so the copy is committed once; `data.mirror_dir` is pointed at the
-    absolute mirror path in every profile because the copy does not sit beside `shared/`; `profile`
-    is made the default of conf/config.yaml and composed into params.yaml, so the copy's `dvc repro`
-    and its `dvc exp run -S ...` (which composes from conf/) both run it.
+    DVC needs a git work tree, so the copy is committed once. Its profiles are the committed ones: its data is
+    its own git-ignored mirror/, filled from the reference mirror `mirror_dir` as `make data` fills a user's
+    clone from a local mirror (copied, each file checked against the data manifest); `profile` is made the
+    default of conf/config.yaml and composed into params.yaml, so the copy's `dvc repro` and its
+    `dvc exp run -S ...` (which composes from conf/) both run it.
     """
     import shutil
     import subprocess
@@ -85,9 +90,7 @@ def copy_repo(destination: Path, mirror_dir: Path | None = None, profile: str = 
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, target)
     if mirror_dir is not None:
-        for profile_file in (destination / "conf" / "profile").glob("*.yaml"):
-            text = profile_file.read_text()
-            profile_file.write_text(text.replace("mirror_dir: ../shared/data", f"mirror_dir: {mirror_dir}"))
+        fill_mirror(destination, mirror_dir)
     config = destination / "conf" / "config.yaml"
     config.write_text(re.sub(r"^  - profile: \w+", f"  - profile: {profile}", config.read_text(), count=1,
                              flags=re.M))
@@ -97,6 +100,16 @@ def copy_repo(destination: Path, mirror_dir: Path | None = None, profile: str = 
     subprocess.run(["git", "add", "-A"], cwd=destination, check=True)
     subprocess.run([*git, "commit", "-qm", "copy"], cwd=destination, check=True)
     return destination
+
+
+def fill_mirror(root: Path, reference: Path) -> Path:
+    """root/mirror (every profile's data.mirror_dir) from the reference mirror, as `make data` copies a local
+    one: each file checked against parallel_r1/data_manifest.yaml."""
+    from parallel_r1.mirror import DEFAULT_MIRROR, copy_verified, load_manifest
+
+    missing = copy_verified(reference, root / DEFAULT_MIRROR, load_manifest(), log=lambda _line: None)
+    assert not missing, f"{reference} lacks {missing}"
+    return root / DEFAULT_MIRROR
 
 
 def write_profile_params(root: Path, profile: str = "tiny", mirror_dir: Path | None = None) -> Path:

@@ -54,30 +54,27 @@ def test_teacher_demos_keep_prompt_and_completion(mirror):
     assert all(d["completion"] and d["prompt"] for d in demos)
 
 
-def test_missing_everywhere_names_dataset_and_both_places(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.delenv("PARALLEL_R1_DATA", raising=False)
+def test_a_missing_mirror_file_names_it_and_make_data(tmp_path):
+    """The mirror is the one place stages read data from: no Hub download at read time, which DVC could not
+    track."""
     with pytest.raises(PipelineError) as err:
         load_problems("gsm8k_test", tmp_path)
     message = str(err.value)
-    assert "\n" not in message
-    assert "dataset gsm8k_test" in message and str(tmp_path / "gsm8k/test.jsonl") in message
-    assert "Hub openai/gsm8k" in message
+    assert "\n" not in message and "Hub" not in message
+    missing = tmp_path / "gsm8k/test.jsonl"
+    assert message.startswith(f"dataset gsm8k_test: {missing} not found; run `make data`")
+    with pytest.raises(PipelineError, match=r"^params.yaml data.mirror_dir is empty"):
+        load_problems("gsm8k_test", "")
 
 
-def test_env_var_overrides_the_configured_mirror(tmp_path, monkeypatch, mirror):
+def test_the_env_var_is_where_make_data_copies_from_not_where_stages_read(tmp_path, monkeypatch, mirror):
+    """dvc.lock records the hashes of data.mirror_dir's files: a stage reading the folder PARALLEL_R1_DATA
+    names would make `dvc status` say up to date on data the stage never read."""
     monkeypatch.setenv("PARALLEL_R1_DATA", str(mirror))
-    assert len(load_problems("aime25", tmp_path / "nowhere")) == 30
-
-
-def test_under_dvc_the_env_var_may_not_name_another_mirror(tmp_path, monkeypatch, mirror):
-    """dvc.lock records the hashes of data.mirror_dir's files: a stage reading another mirror made
-    `dvc status` say up to date on data the stage never read."""
     monkeypatch.setenv("DVC_STAGE", "prepare_data")
-    monkeypatch.setenv("PARALLEL_R1_DATA", str(mirror))
-    with pytest.raises(PipelineError, match=r"^\$PARALLEL_R1_DATA=.* differs from params.yaml data"):
+    with pytest.raises(PipelineError, match=r"aime25.jsonl not found; run `make data`"):
         load_problems("aime25", tmp_path / "nowhere")
-    assert len(load_problems("aime25", mirror)) == 30          # the same folder: fine
+    assert len(load_problems("aime25", mirror)) == 30
 
 
 def test_unknown_dataset_and_missing_fields(tmp_path, monkeypatch):

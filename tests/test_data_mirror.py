@@ -58,11 +58,11 @@ def dvc(repo: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_mirror_edit_makes_dvc_status_report_the_stage(tmp_path):
-    mirror = tmp_path / "mirror"
+    repo = copy_repo(tmp_path / "repo")
+    mirror = repo / "mirror"                     # every profile's data.mirror_dir (git-ignored)
     for name in mirror_deps()["prepare_data"]:   # every file it declares (the profiles' union), as DVC needs
         (mirror / name).parent.mkdir(parents=True, exist_ok=True)
         (mirror / name).write_text('{"id": "1", "question": "q", "problem": "q", "ground_truth": "1"}\n')
-    repo = copy_repo(tmp_path / "repo", mirror)
     for out in ("data/rl", "data/eval"):
         (repo / out).mkdir(parents=True)
         (repo / out / "x.jsonl").write_text("{}\n")
@@ -73,7 +73,7 @@ def test_mirror_edit_makes_dvc_status_report_the_stage(tmp_path):
     with open(mirror / "eval" / "aime24.jsonl", "a", encoding="utf-8") as handle:
         handle.write('{"id": "2", "problem": "new", "ground_truth": "2"}\n')
     status = dvc(repo, "status", "prepare_data").stdout
-    assert "prepare_data:" in status and f"modified:           {mirror}/eval/aime24.jsonl" in status
+    assert "prepare_data:" in status and "modified:           mirror/eval/aime24.jsonl" in status
 
 
 def test_relative_mirror_resolves_inside_a_temp_experiment(tmp_path):

@@ -116,6 +116,13 @@ def wait_for_workers(api_url: str, workers: list, base: Path) -> None:
                 names = set()
 
 
+def make_data(clone: Path, env: dict) -> None:
+    """`make data` in a clone, as its user runs it: the git-ignored mirror/ copied from the lab's shared copy
+    (env PARALLEL_R1_DATA), each file checked."""
+    subprocess.run([sys.executable, "-m", "parallel_r1.mirror"], cwd=clone, env=env, check=True,
+                   capture_output=True)
+
+
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory, mirror):
     """A git remote; clones launcher, worker-a, worker-b, viewer; Prefect + MLflow servers; two workers."""
@@ -137,9 +144,13 @@ def lab(tmp_path_factory, mirror):
     ports = {"prefect": free_port(), "mlflow": free_port()}
     server_root = base / "servers"
     server_root.mkdir()
+    # Every clone keeps the committed profiles (data.mirror_dir: mirror): a worker gets its data as a user's
+    # clone does, `make data` from the lab's shared copy ($PARALLEL_R1_DATA), and its private clones theirs
+    # from the worker clone's mirror/ (flows/remote.py).
     env = dict(os.environ, PREFECT_API_URL=f"http://127.0.0.1:{ports['prefect']}/api",
                MLFLOW_TRACKING_URI=f"http://127.0.0.1:{ports['mlflow']}", PREFECT_WORKER_QUERY_SECONDS="1",
-               PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1", DVC_NO_ANALYTICS="1")
+               PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1", DVC_NO_ANALYTICS="1",
+               PARALLEL_R1_DATA=str(mirror))
     env.pop("MLFLOW_EXPERIMENT_NAME", None)
     services = []
     try:
@@ -153,6 +164,7 @@ def lab(tmp_path_factory, mirror):
             ui.wait_healthy(service, START_TIMEOUT_S)
         for name in ("worker-a", "worker-b"):
             clone = clones[name]
+            make_data(clone, env)   # `make worker` runs `make data` first
             services.append(ui.start(name, [sys.executable, "-m", "flows.workpool", "worker", "--pool", POOL,
                                             "--limit", "1"],
                                      dict(env, PYTHONPATH=str(clone), PREFECT_HOME=str(clone / ".prefect")),
@@ -252,6 +264,7 @@ def test_fan_out_reproduce_of_two_evaluations_writes_the_dvc_lock_of_a_serial_ru
     base, launcher, env = lab["base"], lab["launcher"], lab["env"]
     serial = base / "serial"
     git("clone", "-q", str(base / "origin.git"), str(serial), cwd=base)
+    make_data(serial, env)
     # a teammate's inputs: run, pushed (outputs, not the run cache) and committed; then both evaluations here
     dvc("repro", "twin", "prepare_data", cwd=serial)
     dvc("push", cwd=serial)
@@ -314,6 +327,7 @@ def test_a_fanned_out_stage_whose_worker_dies_is_retried_and_resumes_to_the_mode
     clones = {name: base / f"fanout-{name}" for name in ("launcher", "serial")}
     for clone in clones.values():
         git("clone", "-q", str(base / "origin.git"), str(clone), cwd=base)
+        make_data(clone, env)
         # 3 steps: the next test's sweep trains 4 at the same settings, so no DVC run-cache entry of this
         # (resumed) run stands in for one of its experiments
         for key, value in {"sft.save_steps": "1", "sft_variants.seen.max_steps": "3",
