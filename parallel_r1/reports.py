@@ -153,6 +153,10 @@ def write_markdown(path: str | Path, text: str) -> None:
 # ---------------------------------------------------------------- numbers and cells
 
 
+def _temperature(value: float | None) -> str:
+    return "`evaluate.temperature` (params.yaml)" if value is None else f"{value:g}"
+
+
 def _pct(value: float | None) -> str:
     return "—" if value is None else f"{value:.1f}"
 
@@ -352,12 +356,14 @@ def table1(filter_metrics: Mapping[str, dict], profile: str) -> str:
 
 
 def table2(eval_metrics: Mapping[str, Mapping[str, dict]], rows: Mapping[str, str], profile: str,
-           base_model_label: str = "Qwen3-4B-Base", not_evaluated: Collection[str] = ()) -> str:
+           base_model_label: str = "Qwen3-4B-Base", not_evaluated: Collection[str] = (),
+           temperature: float | None = None) -> str:
     """Table 2: the eight main rows; cells "ours (paper)" and a Δ table below.
 
     "Row (paper)" is the paper's row; "Ours" names the model that fills it on this profile: the base
     model by `base_model_label`, every other row by its folder (trained from that base model). Rows whose
-    model is in `not_evaluated` read "—"."""
+    model is in `not_evaluated` read "—". `temperature`: the evaluations' (params.yaml
+    evaluate.temperature)."""
     paper = paper_results()["table2_main"]
     columns, paper_rows = paper["columns"], paper["rows"]
     _check_rows(rows, paper_rows, "table2")
@@ -376,7 +382,8 @@ def table2(eval_metrics: Mapping[str, Mapping[str, dict]], rows: Mapping[str, st
         delta_rows.append(label + [delta(_score(scores, key, c), ref[c]) for c in columns])
     lines = _header_lines("Table 2 — Main results", profile, [
         "Percentages. Cells: **ours (paper)**. mean@k = accuracy averaged over k samples per problem, "
-        "pass@k = unbiased estimator; temperature 1.0; the paper's cells are mean@16 / pass@16 and MATH "
+        f"pass@k = unbiased estimator; sampled at temperature {_temperature(temperature)}; the paper's cells "
+        "are mean@16 / pass@16 at temperature 1.0 and MATH "
         "mean@1. "
         "Parallel ratio = share of a model's samples with at least one well-formed `<Parallel>` block, over "
         "all benchmarks evaluated (the paper's four, plus GSM8K test where it has a column). Path diversity "

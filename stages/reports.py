@@ -98,7 +98,9 @@ def build(report: str, params: dict) -> Path:
     elif report == "table2":
         rows, skipped = options.table2_rows, not_evaluated(options.table2_rows, params)
         metrics = read_eval_metrics([model for model in rows.values() if model not in skipped])
-        reports.write_markdown(out, reports.table2(metrics, rows, profile, options.base_model_label, skipped))
+        temperature = (params.get("evaluate") or {}).get("temperature")
+        reports.write_markdown(out, reports.table2(metrics, rows, profile, options.base_model_label, skipped,
+                                                   temperature=temperature))
     elif report in ABLATIONS:
         build_table, key = ABLATIONS[report]
         rows = getattr(options, key)

@@ -319,6 +319,12 @@ def test_table2_names_the_profiles_base_model_beside_the_papers_row():
     assert cells[1] == f"SmolLM2-135M-Instruct (`models/{TABLE2_MODELS['qwen3_4b_base']}`)"
 
 
+def test_table2_states_the_temperature_its_samples_were_drawn_at():
+    """It said "temperature 1.0" whatever the profile sampled at (the small profile evaluates at 0.6)."""
+    text = reports.table2(fixture_metrics(), TABLE2_MODELS, "tiny", temperature=0.6)
+    assert "sampled at temperature 0.6;" in text and "temperature 1.0;" not in text
+
+
 def test_table2_without_gsm8k_has_no_gsm8k_column():
     text = reports.table2(fixture_metrics(), TABLE2_MODELS, "tiny")
     assert all("GSM8K" not in line for line in text.splitlines() if line.startswith("| Row |"))
