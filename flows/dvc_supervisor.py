@@ -10,6 +10,9 @@ which then puts its outputs back: stages/common.py), gives them `grace` seconds 
 what is left. A stop meant for DVC (SIGTERM to the group) is for the command: this outlives it until the
 rest of the group has exited too (up to `grace`), so whoever stopped it knows the stage has cleaned up.
 
+A DVC killed on its own (`kill -9 <dvc pid>`) takes its stage with it the same way. Once DVC has exited,
+killed or not, its entries in DVC's `.dvc/tmp/rwlock` are dropped (`forget_locks`).
+
 Standard library only, run by path: it needs no PYTHONPATH, in any clone. Linux counts the group's members
 from /proc; elsewhere the grace period is waited in full before the SIGKILL.
 """
@@ -64,6 +67,37 @@ def stop_group(child: subprocess.Popen, grace_s: float) -> None:
         os.killpg(0, signal.SIGKILL)
 
 
+def forget_locks(pid: int, tmp_dir: str = os.path.join(".dvc", "tmp")) -> None:
+    """Drop the entries of DVC process `pid`, which has exited, from DVC's rwlock file in `tmp_dir`.
+
+    DVC records there which paths each running command reads and writes, and removes its own entries on the
+    way out; a killed DVC cannot, and each later command whose paths overlap some of them warned "Process
+    ... had been killed. Auto removed it from the lock file" and removed only those: the warning came back,
+    command after command. Edited under the flock DVC itself takes (`rwlock.lock`, zc.lockfile).
+    """
+    import fcntl
+    import json
+
+    path = os.path.join(tmp_dir, "rwlock")
+    if not os.path.isfile(path):
+        return
+    with open(os.path.join(tmp_dir, "rwlock.lock"), "a+", encoding="utf-8") as guard:
+        fcntl.flock(guard.fileno(), fcntl.LOCK_EX)
+        try:
+            with open(path, encoding="utf-8") as source:
+                lock = json.load(source)
+            writes = {key: info for key, info in lock.get("write", {}).items() if info.get("pid") != pid}
+            reads = {key: kept for key, infos in lock.get("read", {}).items()
+                     if (kept := [info for info in infos if info.get("pid") != pid])}
+        except (OSError, ValueError, AttributeError):
+            return   # unreadable: DVC reports it on its next command
+        if writes == lock.get("write", {}) and reads == lock.get("read", {}):
+            return
+        with open(f"{path}.{os.getpid()}", "w", encoding="utf-8") as target:
+            json.dump({**({"write": writes} if writes else {}), **({"read": reads} if reads else {})}, target)
+        os.replace(f"{path}.{os.getpid()}", path)
+
+
 def main(argv: list[str]) -> int:
     parent, grace_s, command = int(argv[0]), float(argv[1]), argv[2:]
     if os.getpgrp() != os.getpid():  # run_dvc makes it a session leader; by hand, its own group at least
@@ -82,6 +116,9 @@ def main(argv: list[str]) -> int:
             continue
         if stopped:
             group_emptied(child, grace_s)
+        elif code < 0 and others_in_group():  # DVC killed under its stage: nothing would record its result
+            stop_group(child, grace_s)
+        forget_locks(child.pid)
         return code if code >= 0 else 128 - code
 
 

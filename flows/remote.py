@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -29,6 +30,7 @@ from parallel_r1 import mirror
 from parallel_r1.errors import PipelineError
 
 SWEEP_REF_PREFIX = "refs/sweeps/"
+LOCALIZED = Path(".dvc") / "tmp" / "localized-remote.json"   # what localize_remote wrote into config.local
 
 
 def git(args: list[str], cwd: str | os.PathLike, env: dict[str, str] | None = None) -> str:
@@ -156,11 +158,65 @@ def push_experiment(work: Path, git_remote: str, name: str, echo: Callable[[str]
     run_dvc(["exp", "push", "--no-cache", git_remote, name], cwd=work, echo=echo)
 
 
-def _dvc_config(root: Path, key: str, value: str) -> None:
+def localize_remote(root: Path) -> str | None:
+    """Write the default DVC remote's absolute path into `.dvc/config.local` when `.dvc/config` gives it as
+    a relative path; returns the path written (or kept), else None. `make setup` runs it.
+
+    Why: `dvc exp pull` reads each experiment's `.dvc/config` from its git commit, where a relative path
+    resolves against the root of git's tree (`/parallel-r1-dvc-remote`), not this clone, and fetched nothing
+    with exit 0; config.local is read from the clone for every commit. A URL (s3://...) or an absolute path
+    means the same everywhere and needs nothing. What it writes is recorded in `.dvc/tmp/` (`LOCALIZED`), so
+    a later setup updates it (a moved clone) or removes it (the committed remote no longer relative), and a
+    URL a user set in config.local themselves is never touched.
+    """
+    import json
+
+    from configobj import ConfigObj
+
+    committed = ConfigObj(str(root / ".dvc" / "config"))
+    name = committed.get("core", {}).get("remote")
+    section = f'remote "{name}"'
+    url = committed.get(section, {}).get("url") if name else None
+    local_file, record = root / ".dvc" / "config.local", root / LOCALIZED
+    local_url = ConfigObj(str(local_file)).get(section, {}).get("url") if local_file.is_file() else None
+    try:
+        written = json.loads(record.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        written = {}
+    ours = local_url is not None and written == {"remote": name, "url": local_url}
+    if not url or re.match(r"\w+://", url) or os.path.isabs(os.path.expanduser(url)):
+        if ours:
+            _dvc_config(root, f"remote.{name}.url", None)
+            record.unlink()
+        return None
+    if local_url is not None and not ours:
+        return None   # the user's own
+    absolute = os.path.normpath(os.path.join(os.path.abspath(root / ".dvc"), url))  # as DVC resolves it
+    if local_url != absolute:
+        _dvc_config(root, f"remote.{name}.url", absolute)
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps({"remote": name, "url": absolute}), encoding="utf-8")
+    return absolute
+
+
+def _dvc_config(root: Path, key: str, value: str | None) -> None:
+    """`dvc config --local key value` in `root`; value None unsets the key."""
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "dvc", "config", "--local", key, value], cwd=root,
+    setting = [key] if value is None else [key, value]
+    done = subprocess.run([sys.executable, "-m", "dvc", "config", "--local",
+                           *(["--unset"] if value is None else []), *setting], cwd=root,
                           capture_output=True, text=True, stdin=subprocess.DEVNULL, check=False)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["failed"])[-1]
         raise PipelineError(f"dvc config --local {key} {value} in {root}: {last}")
+
+
+if __name__ == "__main__":  # `make setup`: python -m flows.remote localize-remote
+    import sys
+
+    if sys.argv[1:] != ["localize-remote"]:
+        sys.exit("usage: python -m flows.remote localize-remote")
+    written = localize_remote(Path.cwd())
+    if written:
+        print(f".dvc/config.local: the DVC remote is {written} (dvc exp pull reads it in every commit)")

@@ -42,6 +42,11 @@ POLL_S = 2.0
 HEARTBEAT_S = 30
 SILENCE_S = 75
 CRASH_AUTOMATION = "parallel-r1: crash flow runs whose heartbeat stopped"
+SILENCE_MESSAGE = "no heartbeat for {silence_s} s: its worker died"
+# The automation cannot tell a dead worker from a server that was down (or unreachable) for SILENCE_S: both
+# stop the heartbeats it sees. A run it marked Crashed is relaunched only once no heartbeat came for
+# RECHECK_S after the marking; a live run's next one comes within HEARTBEAT_S once the server is back.
+RECHECK_S = HEARTBEAT_S + 15
 WORKER_LABEL = "prefect.worker.name"  # the label a Prefect worker gives each flow run it takes
 
 
@@ -113,7 +118,43 @@ def ensure_crash_automation(silence_s: int = SILENCE_S) -> None:
                 for_each={"prefect.resource.id"}, posture=Posture.Proactive, threshold=1,
                 within=timedelta(seconds=silence_s)),
             actions=[ChangeFlowRunState(state=StateType.CRASHED,
-                                        message=f"no heartbeat for {silence_s} s: its worker died")]))
+                                        message=SILENCE_MESSAGE.format(silence_s=silence_s))]))
+
+
+def last_heartbeat(flow_run_id, since):
+    """When flow run `flow_run_id` last sent a heartbeat event at or after `since` (UTC), as the server has
+    them; None if none came."""
+    from prefect import get_client
+    from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter, EventResourceFilter
+
+    with get_client(sync_client=True) as client:
+        page = client.read_events(filter=EventFilter(
+            occurred=EventOccurredFilter(since=since),
+            event=EventNameFilter(name=["prefect.flow-run.heartbeat"]),
+            resource=EventResourceFilter(id=[f"prefect.flow-run.{flow_run_id}"])), limit=1)
+    return max((event.occurred for event in page.events), default=None)
+
+
+def liveness(run, now=None) -> str:
+    """Whether a Crashed run is "dead" (relaunch it), "alive" (the heartbeat automation marked it while the
+    server heard nothing, e.g. during an outage, and it has sent heartbeats since: wait for its own end) or
+    "unknown" (marked less than RECHECK_S ago, nothing since). A crash its worker reported (the process
+    exited) is dead at once; so is a marked run whose heartbeats stopped again for SILENCE_S."""
+    from datetime import datetime, timezone
+
+    if not (run.state.message or "").startswith("no heartbeat for"):
+        return "dead"
+    import httpx
+
+    now = now or datetime.now(timezone.utc)
+    marked = run.state.timestamp
+    try:
+        last = last_heartbeat(run.id, marked)
+    except (OSError, httpx.HTTPError):   # the server unreachable again: no news, as if none came
+        last = None
+    if last is not None and (now - last).total_seconds() <= SILENCE_S:
+        return "alive"
+    return "unknown" if last is None and (now - marked).total_seconds() < RECHECK_S else "dead"
 
 
 def launch(pool: str, flow_name: str, runs: list[dict[str, Any]], names: list[str], tag: str) -> list:
@@ -141,8 +182,9 @@ def poll(flow_run_ids: list) -> list:
 def wait(flow_run_ids: list, echo=print, poll_s: float = POLL_S, on_final=None) -> dict:
     """Poll the API until every flow run is in a final state; returns {id: FlowRun}.
 
-    `on_final(run)`, called once per run as it ends, may return a new flow run to wait for as well
-    (a relaunch); each state change is echoed.
+    `on_final(run)`, called when a run is seen in a final state, may return a flow run to wait for as well:
+    a relaunch, or the same run to look at again (one marked Crashed that may still be alive); each state
+    change is echoed.
     """
     reported: dict[Any, str]
     waiting, done, reported = list(flow_run_ids), {}, {}
@@ -174,12 +216,20 @@ def run_all(pool: str, flow_name: str, params: dict[str, dict[str, Any]], tag: s
     """Launch one `flow_name` run per entry of `params` (name -> parameters) and wait for all. A run that
     Crashed (its worker died) or Failed for want of a resource (a `ResourceShortage`: too little free memory
     on its worker just then) is launched again at once, up to `crash_retries` times; one that Failed on its
-    own error is not. Returns ({name: its last attempt's flow run}, {name: attempts})."""
+    own error is not, nor one marked Crashed for silence that sends heartbeats again (`liveness`).
+    Returns ({name: its last attempt's flow run}, {name: attempts})."""
     attempts = dict.fromkeys(params, 1)
+    alive_said: set = set()
 
     def relaunch_crashed(run):
         if not worth_another_attempt(run.state) or attempts[run.name] > crash_retries:
             return None
+        if run.state.type.value == "CRASHED" and (alive := liveness(run)) != "dead":
+            if alive == "alive" and run.id not in alive_said:
+                alive_said.add(run.id)
+                echo(f"{run.name} was marked crashed ({run.state.message}) but still sends heartbeats:"
+                     " the server lost them for a while; waiting for it, not launching it again")
+            return run  # polled again: its own end, or dead once its heartbeats stop
         attempts[run.name] += 1
         why = "crashed" if run.state.type.value == "CRASHED" else "failed for want of a resource"
         echo(f"{run.name} {why} ({run.state.message}): launching it again")

@@ -331,6 +331,50 @@ def test_served_deployments_are_listed_and_a_triggered_run_completes(prefect_api
             == [("prepare_data", StateType.COMPLETED)])
 
 
+def test_a_run_marked_crashed_while_the_server_heard_nothing_is_waited_for_while_it_sends_heartbeats(
+        prefect_api):
+    """A Prefect server down for longer than the heartbeat window gets every running run marked Crashed by the
+    heartbeat automation; relaunching them duplicated live experiments. On this server's own events:
+    marked and silent since is "unknown" until RECHECK_S, then "dead" (relaunch); a heartbeat after the
+    marking makes it "alive" (wait for its own end) until its heartbeats stop again; a crash its worker
+    reported is "dead" at once."""
+    from datetime import timedelta
+    from uuid import uuid4
+
+    from prefect import flow
+    from prefect.events import Event
+    from prefect.states import Crashed, Running
+
+    from flows.workpool import RECHECK_S, SILENCE_MESSAGE, SILENCE_S, last_heartbeat, liveness
+
+    @flow(name="liveness-probe")
+    def probe() -> None:
+        """Never run: its flow run only carries states."""
+
+    with get_client(sync_client=True) as client:
+        created = client.create_flow_run(probe, name="alive-after-an-outage")
+        client.set_flow_run_state(created.id, Running(), force=True)
+        client.set_flow_run_state(created.id, Crashed(message=SILENCE_MESSAGE.format(silence_s=SILENCE_S)),
+                                  force=True)
+        run = client.read_flow_run(created.id)
+    marked = run.state.timestamp
+    assert liveness(run, now=marked + timedelta(seconds=1)) == "unknown"
+    assert liveness(run, now=marked + timedelta(seconds=RECHECK_S + 1)) == "dead"
+    heartbeat = Event(event="prefect.flow-run.heartbeat", occurred=marked + timedelta(seconds=2), id=uuid4(),
+                      resource={"prefect.resource.id": f"prefect.flow-run.{run.id}"})
+    with get_client(sync_client=True) as client:
+        client.request("POST", "/events", json=[heartbeat.model_dump(mode="json")]).raise_for_status()
+    deadline = time.monotonic() + 60   # the server's event persister stores it within seconds
+    while (beat := last_heartbeat(run.id, marked)) is None:
+        assert time.monotonic() < deadline, "the heartbeat never reached the server's events"
+        time.sleep(1)
+    assert liveness(run, now=beat + timedelta(seconds=5)) == "alive"
+    assert liveness(run, now=beat + timedelta(seconds=SILENCE_S + 1)) == "dead"   # stopped again: relaunch
+    reported = run.state.model_copy(update={"message": "Flow run infrastructure exited with non-zero status"
+                                                       " code -9."})
+    assert liveness(run.model_copy(update={"state": reported}), now=marked) == "dead"
+
+
 @pytest.mark.server
 @pytest.mark.slow
 def test_sweep_of_two_configurations_gives_two_experiments_two_runs_and_a_table(project, prefect_api,

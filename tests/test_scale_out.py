@@ -231,12 +231,18 @@ def test_pool_sweep_runs_on_both_workers_and_every_experiment_nests_under_the_sw
 
 
 def test_another_clone_lists_every_experiment_and_restores_its_model_byte_for_byte(lab, pool_sweep):
+    from flows.remote import localize_remote
+
     viewer, rows = lab["viewer"], pool_sweep
     names = sorted(row["experiment"] for row in rows)
-    dvc("exp", "pull", "--no-cache", "origin", cwd=viewer)  # every experiment of HEAD, git refs only
+    # what `make setup` writes: `dvc exp pull` reads each commit's .dvc/config, where the committed relative
+    # remote resolved to /parallel-r1-dvc-remote and nothing came (exit 0)
+    assert localize_remote(viewer) == str(lab["base"] / "parallel-r1-dvc-remote")
+    dvc("exp", "pull", "origin", cwd=viewer)  # every experiment of HEAD, with its data
     assert set(names) <= listed_experiments(viewer)
     chosen = next(row for row in rows if row["experiment"] == names[-1])
     recorded = json.loads(chosen["outs"])["models/base"]
+    assert (viewer / ".dvc" / "cache" / "files" / "md5" / recorded[:2] / recorded[2:]).is_file()
     # `exp apply` writes the experiment's files, then checks out every output of dvc.yaml: the ones with no
     # data here yet (this one until `dvc pull`, stages never run) make it exit 255 after applying
     applied = subprocess.run([sys.executable, "-m", "dvc", "exp", "apply", chosen["experiment"]], cwd=viewer,
@@ -250,6 +256,7 @@ def test_another_clone_lists_every_experiment_and_restores_its_model_byte_for_by
     manifest = json.loads((remote / recorded[:2] / recorded[2:]).read_text())
     assert manifest
     assert all(md5(viewer / "models" / "base" / entry["relpath"]) == entry["md5"] for entry in manifest)
+    assert json.loads(dvc("status", "--json", "prepare_model", cwd=viewer)) == {}  # as dvc.lock records it
     other = next(row for row in rows if row["experiment"] == names[0])
     assert json.loads(other["outs"])["models/base"] != recorded  # another seed, another model
 
@@ -265,8 +272,9 @@ def test_fan_out_reproduce_of_two_evaluations_writes_the_dvc_lock_of_a_serial_ru
     serial = base / "serial"
     git("clone", "-q", str(base / "origin.git"), str(serial), cwd=base)
     make_data(serial, env)
-    # a teammate's inputs: run, pushed (outputs, not the run cache) and committed; then both evaluations here
-    dvc("repro", "twin", "prepare_data", cwd=serial)
+    # a teammate's inputs, up to the validation the evaluations depend on: run, pushed (outputs, not the run
+    # cache) and committed; then both evaluations here
+    dvc("repro", "twin", "validate", cwd=serial)
     dvc("push", cwd=serial)
     git("add", "dvc.lock", cwd=serial)
     git("commit", "-qm", "inputs", cwd=serial)
@@ -275,7 +283,7 @@ def test_fan_out_reproduce_of_two_evaluations_writes_the_dvc_lock_of_a_serial_ru
     dvc("repro", *EVALUATIONS, cwd=serial)
     serial_s = time.monotonic() - started
     git("pull", "-q", "--ff-only", "origin", "main", cwd=launcher)
-    dvc("pull", "--with-deps", "twin", "prepare_data", cwd=launcher)
+    dvc("pull", "--with-deps", "twin", "validate", cwd=launcher)
     launcher_env = dict(env, PYTHONPATH=str(launcher), PREFECT_HOME=str(launcher / ".prefect"))
     started = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "flows.reproduce", *EVALUATIONS, "--pool", POOL],
@@ -314,8 +322,9 @@ def test_a_fanned_out_stage_whose_worker_dies_is_retried_and_resumes_to_the_mode
     """`make run POOL=...` (flows.reproduce --pool) of SFT-Seen and SFT-Unseen, one per worker, a checkpoint
     each step; once one has pushed a checkpoint its worker is killed: the stage's run is marked Crashed,
     launched again on the other worker, resumes from the checkpoint, and the pipeline completes with the
-    models (and dvc.lock's record of them) of a serial `dvc repro`. The launcher's params.yaml is not
-    committed: the fanned-out stages run it all the same (the commit is made aside)."""
+    models (and dvc.lock's record of them) of a serial `dvc repro` of the two stages on the same inputs, run
+    after it in the launcher. The launcher's params.yaml is not committed: the fanned-out stages run it all
+    the same (the commit is made aside)."""
     from prefect import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -324,16 +333,14 @@ def test_a_fanned_out_stage_whose_worker_dies_is_retried_and_resumes_to_the_mode
 
     base, env = lab["base"], lab["env"]
     stages = ["sft@seen", "sft@unseen"]
-    clones = {name: base / f"fanout-{name}" for name in ("launcher", "serial")}
-    for clone in clones.values():
-        git("clone", "-q", str(base / "origin.git"), str(clone), cwd=base)
-        make_data(clone, env)
-        # 3 steps: the next test's sweep trains 4 at the same settings, so no DVC run-cache entry of this
-        # (resumed) run stands in for one of its experiments
-        for key, value in {"sft.save_steps": "1", "sft_variants.seen.max_steps": "3",
-                           "sft_variants.unseen.max_steps": "3", "generate.engine": "transformers"}.items():
-            set_param(clone / "params.yaml", key, value)
-    launcher, serial = clones["launcher"], clones["serial"]
+    launcher = base / "fanout-launcher"
+    git("clone", "-q", str(base / "origin.git"), str(launcher), cwd=base)
+    make_data(launcher, env)
+    # 3 steps: the next test's sweep trains 4 at the same settings, so no DVC run-cache entry of this
+    # (resumed) run stands in for one of its experiments
+    for key, value in {"sft.save_steps": "1", "sft_variants.seen.max_steps": "3",
+                       "sft_variants.unseen.max_steps": "3", "generate.engine": "transformers"}.items():
+        set_param(launcher / "params.yaml", key, value)
     dvc("repro", "validate", cwd=launcher)   # the inputs; only the two SFT stages fan out
     launcher_env = dict(env, PYTHONPATH=str(launcher), PREFECT_HOME=str(launcher / ".prefect"))
     fanned = subprocess.Popen([sys.executable, "-m", "flows.reproduce", *stages, "--pool", POOL],
@@ -365,14 +372,16 @@ def test_a_fanned_out_stage_whose_worker_dies_is_retried_and_resumes_to_the_mode
     assert retried["resumed_from"].startswith(marker.parent.name + "/checkpoint-")
     assert not retried["worker"].endswith(victim)
     assert not any(pushed.glob("reproduce-*/*/*/checkpoint-*"))   # removed once the outputs were pushed
-    dvc("repro", *stages, cwd=serial)
+    assert json.loads(dvc("status", "--json", *stages, cwd=launcher)) == {}
+    fanned_locks = yaml.safe_load((launcher / "dvc.lock").read_text())["stages"]
+    assert not any((launcher / "checkpoints").glob("sft_*/checkpoint-*"))  # the serial runs start afresh
+    dvc("repro", "--force", "--single-item", *stages, cwd=launcher)   # serially, here, on the same inputs
+    serial_locks = yaml.safe_load((launcher / "dvc.lock").read_text())["stages"]
     for stage in stages:
-        fanned_lock, serial_lock = (yaml.safe_load((clone / "dvc.lock").read_text())["stages"][stage]
-                                    for clone in (launcher, serial))
+        fanned_lock, serial_lock = fanned_locks[stage], serial_locks[stage]
         models = [[out for out in lock["outs"] if out["path"].startswith("models/")]
                   for lock in (fanned_lock, serial_lock)]
         assert models[0] == models[1] and fanned_lock["deps"] == serial_lock["deps"], stage
-    assert json.loads(dvc("status", "--json", *stages, cwd=launcher)) == {}
 
 
 def test_a_worker_killed_mid_experiment_crashes_its_run_which_is_retried_from_its_pushed_checkpoint(lab):

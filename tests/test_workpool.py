@@ -167,6 +167,34 @@ def test_work_on_a_pool_needs_servers_the_other_machines_reach(monkeypatch):
         check_shared_services("worker")
 
 
+def test_setup_writes_a_relative_dvc_remote_absolute_where_exp_pull_reads_it_and_keeps_a_users_own(tmp_path):
+    """`dvc exp pull` read the committed relative remote from each commit's tree and fetched nothing; `make
+    setup` writes its absolute path into config.local, updates what it wrote, keeps a user's own URL."""
+    from configobj import ConfigObj
+
+    from flows.remote import LOCALIZED, localize_remote
+
+    clone = tmp_path / "lab" / "clone"
+    clone.mkdir(parents=True)
+    run(sys.executable, "-m", "dvc", "init", "-q", "--no-scm", cwd=clone)
+    committed = "[core]\n    remote = storage\n['remote \"storage\"']\n    url = ../../shared-remote\n"
+    (clone / ".dvc" / "config").write_text(committed)   # as the project's: relative to .dvc/
+
+    def local_url() -> str | None:
+        local = clone / ".dvc" / "config.local"
+        return ConfigObj(str(local)).get('remote "storage"', {}).get("url") if local.is_file() else None
+
+    expected = str(tmp_path / "lab" / "shared-remote")
+    assert localize_remote(clone) == expected and local_url() == expected
+    assert localize_remote(clone) == expected and local_url() == expected        # every setup: unchanged
+    run(sys.executable, "-m", "dvc", "remote", "modify", "storage", "url", "s3://bucket/remote", cwd=clone)
+    assert localize_remote(clone) is None and local_url() is None                 # the committed URL rules
+    assert not (clone / LOCALIZED).exists()
+    (clone / ".dvc" / "config").write_text(committed)
+    run(sys.executable, "-m", "dvc", "remote", "modify", "--local", "storage", "url", "/mnt/mine", cwd=clone)
+    assert localize_remote(clone) is None and local_url() == "/mnt/mine"          # a user's own: kept
+
+
 def test_a_run_is_launched_again_when_it_crashed_or_lacked_a_resource_not_on_its_own_error():
     from types import SimpleNamespace
 
@@ -251,6 +279,57 @@ def test_a_worker_killed_with_its_process_group_takes_dvc_and_its_stage_with_it(
         for process in started:
             with contextlib.suppress(psutil.Error):
                 process.kill()
+
+
+def test_a_killed_dvc_leaves_no_lock_entries_that_warn_on_later_commands(tmp_path):
+    """`kill -9` of DVC itself (not its stage): its read and write entries stayed in .dvc/tmp/rwlock, and each
+    later command whose paths overlap some of them warned "... had been killed. Auto removed it from the lock
+    file". The supervisor stops the stage DVC left behind and drops DVC's entries."""
+    import json
+    import threading
+    import time
+
+    import psutil
+
+    from flows.dvc_runner import DvcCommandError, run_dvc
+
+    project = tmp_path / "project"
+    project.mkdir()
+    run(sys.executable, "-m", "dvc", "init", "-q", "--no-scm", cwd=project)
+    (project / "data.txt").write_text("input")
+    sleeper = "import os, time; open('stage.pid', 'w').write(str(os.getpid())); time.sleep(300)"
+    (project / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"train": {
+        "cmd": f'python -c "{sleeper}"', "deps": ["data.txt"], "outs": ["model.txt"]}}}))
+    rwlock, pid_file, seen = project / ".dvc" / "tmp" / "rwlock", project / "stage.pid", {}
+
+    def kill_dvc_once_its_stage_runs() -> None:
+        deadline = time.monotonic() + 60
+        while not (pid_file.is_file() and pid_file.read_text()):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.2)
+        seen["stage"] = psutil.Process(int(pid_file.read_text()))
+        dvc = next(process for process in seen["stage"].parents() if "dvc" in process.cmdline())
+        seen["held"] = {info["pid"] for info in json.loads(rwlock.read_text())["write"].values()}
+        seen["dvc"] = dvc.pid
+        dvc.kill()
+
+    killer = threading.Thread(target=kill_dvc_once_its_stage_runs, daemon=True)
+    killer.start()
+    try:
+        with pytest.raises(DvcCommandError):
+            run_dvc(["repro"], cwd=project, echo=lambda line: None)
+        killer.join(timeout=60)
+        assert seen.get("dvc") in seen.get("held", ()), seen   # DVC held its outputs when it was killed
+        assert json.loads(rwlock.read_text()) == {}
+        assert not seen["stage"].is_running() or seen["stage"].status() == psutil.STATUS_ZOMBIE
+        for _ in range(2):
+            done = subprocess.run([sys.executable, "-m", "dvc", "status"], cwd=project, capture_output=True,
+                                  text=True, env=dict(os.environ, DVC_NO_ANALYTICS="1"))
+            assert "had been killed" not in done.stdout + done.stderr
+    finally:
+        with contextlib.suppress(psutil.Error, KeyError):
+            seen["stage"].kill()
 
 
 def test_a_stopped_dvc_command_returns_once_its_stage_has_cleaned_up(tmp_path):
