@@ -209,7 +209,7 @@ def _dvc_config(root: Path, key: str, value: str | None) -> None:
                           capture_output=True, text=True, stdin=subprocess.DEVNULL, check=False)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["failed"])[-1]
-        raise PipelineError(f"dvc config --local {key} {value} in {root}: {last}")
+        raise PipelineError(f"dvc config --local {' '.join(setting)} in {root}: {last}")
 
 
 if __name__ == "__main__":  # `make setup`: python -m flows.remote localize-remote

@@ -42,7 +42,8 @@ POLL_S = 2.0
 HEARTBEAT_S = 30
 SILENCE_S = 75
 CRASH_AUTOMATION = "parallel-r1: crash flow runs whose heartbeat stopped"
-SILENCE_MESSAGE = "no heartbeat for {silence_s} s: its worker died"
+SILENCE_MARK = "no heartbeat for"   # how the automation's Crashed states begin (`liveness` reads it)
+SILENCE_MESSAGE = SILENCE_MARK + " {silence_s} s: its worker died"
 # The automation cannot tell a dead worker from a server that was down (or unreachable) for SILENCE_S: both
 # stop the heartbeats it sees. A run it marked Crashed is relaunched only once no heartbeat came for
 # RECHECK_S after the marking; a live run's next one comes within HEARTBEAT_S once the server is back.
@@ -142,10 +143,10 @@ def liveness(run, now=None) -> str:
     exited) is dead at once; so is a marked run whose heartbeats stopped again for SILENCE_S."""
     from datetime import datetime, timezone
 
-    if not (run.state.message or "").startswith("no heartbeat for"):
-        return "dead"
     import httpx
 
+    if not (run.state.message or "").startswith(SILENCE_MARK):
+        return "dead"
     now = now or datetime.now(timezone.utc)
     marked = run.state.timestamp
     try:
@@ -222,14 +223,14 @@ def run_all(pool: str, flow_name: str, params: dict[str, dict[str, Any]], tag: s
     alive_said: set = set()
 
     def relaunch_crashed(run):
-        if not worth_another_attempt(run.state) or attempts[run.name] > crash_retries:
-            return None
         if run.state.type.value == "CRASHED" and (alive := liveness(run)) != "dead":
             if alive == "alive" and run.id not in alive_said:
                 alive_said.add(run.id)
                 echo(f"{run.name} was marked crashed ({run.state.message}) but still sends heartbeats:"
                      " the server lost them for a while; waiting for it, not launching it again")
             return run  # polled again: its own end, or dead once its heartbeats stop
+        if not worth_another_attempt(run.state) or attempts[run.name] > crash_retries:
+            return None
         attempts[run.name] += 1
         why = "crashed" if run.state.type.value == "CRASHED" else "failed for want of a resource"
         echo(f"{run.name} {why} ({run.state.message}): launching it again")
