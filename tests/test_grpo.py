@@ -349,6 +349,73 @@ def test_zero_advantages_are_computed_in_full_with_a_kl_term(trainers, tokenizer
         trainer.model.train()
 
 
+class SpreadIn:
+    """A reward with a spread (+1, -1, ...) in the groups of the named prompts, 0 everywhere else."""
+
+    __name__ = "spread_in"
+
+    def __init__(self) -> None:
+        self.ids: set[str] = set()
+
+    def __call__(self, prompts, completions, id, **kwargs) -> list[float]:
+        return [(1.0 if index % 2 else -1.0) if problem in self.ids else 0.0
+                for index, problem in enumerate(id)]
+
+
+@pytest.mark.parametrize("structured", [False, True])
+def test_a_step_keeps_groups_in_order_and_scores_old_logprobs_only_for_later_updates_with_a_spread(
+        init_dir, tokenizer, tmp_path, structured):
+    """2 prompts x 4 rollouts, 2 updates of 1 prompt, micro-batches of 2: the 4 micro-batches hold the groups
+    in rollout order (the first update one prompt's 4 rollouts, the second the other's); only a second-update
+    micro-batch whose group has a spread gets old log-probs, equal to TRL's own scoring of the whole batch."""
+    from parallel_r1.training.grpo import rollout_function_for
+
+    opts = options(rl={**RL, "per_device_batch_size": 2,
+                       "datasets": {"gsm8k": {"batch_size": 2, "mini_batch_size": 1, "num_generations": 4,
+                                              "max_steps": 1}}}, variant="unseen" if structured else "seen")
+    model, _ = load_model(init_dir, attn_implementation="sdpa")
+    dataset, _ = rl_dataset(PROBLEMS, tokenizer, "parallel", 2000)
+    reward = SpreadIn()
+    trainer = ParallelGRPOTrainer(
+        model=model, reward_funcs=[reward], args=grpo_config(opts, tmp_path / "out"), train_dataset=dataset,
+        processing_class=tokenizer, structured=structured,
+        rollout_func=rollout_function_for(opts, "transformers", tokenizer,
+                                          logits_processor=ForkSomeRollouts(tokenizer)))
+    assert trainer._in_order_applies() and trainer.args.steps_per_generation == 4
+    trainer.model.train()
+    batch = next(iter(trainer.get_train_dataloader()))
+    groups = [row["id"] for row in batch]
+    assert groups == [groups[0]] * 4 + [groups[4]] * 4 != [groups[0]] * 8  # TRL's sampler: G side by side
+
+    def prepared() -> list[dict]:
+        trainer._step, trainer._buffered_inputs = 0, None
+        trainer._prepare_inputs(batch)
+        return trainer._buffered_inputs
+
+    reward.ids = {groups[0]}   # the first update's group only: no old log-probs at all
+    chunks = prepared()
+    assert [bool((chunk["advantages"] != 0).any()) for chunk in chunks] == [True, True, False, False]
+    assert all(chunk["old_per_token_logps"] is None for chunk in chunks)
+    prompts = [chunk["prompt_ids"] for chunk in chunks]
+    assert torch.equal(prompts[0], prompts[1]) and torch.equal(prompts[2], prompts[3])
+    assert not torch.equal(prompts[0][0], prompts[2][0])
+
+    reward.ids = set(groups)   # a spread everywhere: the second update's two micro-batches are scored
+    scored_before = trainer.old_logps_scored
+    chunks = prepared()
+    assert [chunk["old_per_token_logps"] is None for chunk in chunks] == [True, True, False, False]
+    assert trainer.old_logps_scored == scored_before + 2
+    ids = torch.cat([torch.cat([c["prompt_ids"], c["completion_ids"]], dim=1) for c in chunks])
+    mask = torch.cat([torch.cat([c["prompt_mask"], c["completion_mask"]], dim=1) for c in chunks])
+    with torch.no_grad():   # TRL's own scoring: the whole generation batch in chunks of the micro-batch
+        whole, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids, mask, chunks[0]["completion_ids"].size(1), batch_size=2)
+    assert torch.equal(torch.cat([chunks[2]["old_per_token_logps"], chunks[3]["old_per_token_logps"]]),
+                       whole[4:])
+    trainer.beta = 0.04   # a KL term reads the reference, not only the ratio: TRL's own path
+    assert not trainer._in_order_applies()
+
+
 # ---------------------------------------------------------------------------------- end to end
 
 

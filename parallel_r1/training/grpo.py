@@ -188,11 +188,12 @@ class BatchLayout:
 
     TRL 1.16 generates `generation_batch_size` = per_device_train_batch_size x processes x
     steps_per_generation completions at once (B prompts, each repeated G times by TRL's sampler),
-    shuffles them, splits them into `steps_per_generation` micro-batches of
+    splits them (in that order: `update_batches.InOrderGRPOTrainer`; TRL shuffles them first) into
+    `steps_per_generation` micro-batches of
     per_device_train_batch_size per process, and steps the optimizer every
     gradient_accumulation_steps micro-batches. So steps_per_generation = updates x
     gradient_accumulation_steps makes `updates` optimizer steps per generation, each on
-    mini_batch_size x G completions -- VERL's ppo_mini_batch_size with one PPO epoch. TRL then
+    mini_batch_size x G completions -- VERL's ppo_mini_batch_size with one PPO epoch. The trainer then
     keeps the generating policy's log-probs ("old"), so from the second update on the ratio
     differs from 1 and epsilon / epsilon_high clip it; with one update the ratio is always 1.
     """
@@ -353,6 +354,8 @@ class RLResult:
     processes: int = 1  # data-parallel processes (rollout stats are this process's share)
     step_times: dict[str, float] = field(default_factory=dict)  # rollout / scoring / update s (StepTimes)
     skipped_micro_batches: int = 0  # zero-advantage micro-batches that skipped forward/backward (this run)
+    old_logps_scored: int = 0       # micro-batches whose old log-probs were scored (InOrderGRPOTrainer)
+    old_logps_unscored: int = 0     # those that needed none: the first update's, or skipped ones
     log_history: list[dict] = field(default_factory=list)  # the Trainer's as MLflow got it (run_memo replays)
 
 
@@ -466,7 +469,8 @@ def train_rl(options: RLOptions, init_dir: str | os.PathLike, rows: Sequence[Map
         train_seconds=train_seconds, rollout=trainer.rollout_stats, engine=engine, prompts=len(dataset),
         dropped_prompts=dropped, snapshots=snapshots, is_main_process=state.is_main_process,
         processes=state.num_processes, step_times=trainer.step_times.split(),
-        skipped_micro_batches=trainer.skipped_micro_batches, log_history=list(trainer.state.log_history))
+        skipped_micro_batches=trainer.skipped_micro_batches, old_logps_scored=trainer.old_logps_scored,
+        old_logps_unscored=trainer.old_logps_unscored, log_history=list(trainer.state.log_history))
 
 
 def _keep_trl_off_vllm() -> None:

@@ -16,6 +16,9 @@
     from TRL's attributes, so a TRL rename computes in full. One process without DeepSpeed or FSDP only: a
     skipped forward would leave other processes waiting in a collective, and sharded parameters are
     not the tensors the zero gradient is set on.
+  - A step's micro-batches keep the rollout order (whole groups side by side) and the old policy's
+    log-probs are scored only for the later updates' micro-batches with a spread
+    (`update_batches.InOrderGRPOTrainer`): a group without a spread costs no forward at all.
   - Each rollout batch is timed and measured; the numbers go through TRL's own metric buffer, so
     they are averaged over processes, logged every step to `report_to` (MLflow) and kept in
     `trainer.state.log_history`, which checkpoints carry across a resume. `step_records` reads
@@ -40,13 +43,13 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 from transformers import TrainerCallback
-from trl import GRPOTrainer
 from trl.trainer.utils import RepeatSampler
 
 from parallel_r1.format import PARALLEL_OPEN, count_blocks, parallel_position, path_diversity
 from parallel_r1.rewards import RewardConfig, reward_type_at
 from parallel_r1.structure import TagIds, build_structure, structured_forward
 from parallel_r1.training.saving import save_full_model
+from parallel_r1.training.update_batches import InOrderGRPOTrainer
 
 # The clip ratios TRL's _compute_loss logs per loss type: all exactly 0 when every advantage is 0 (TRL
 # counts a token clipped only where its advantage has a sign), so a skipped micro-batch logs them as 0.
@@ -72,7 +75,8 @@ class RolloutStats:
 @dataclass
 class StepTimes:
     """Where this process's RL step time went: rollout (the engine), scoring (TRL's rewards, old and
-    reference log-probs, advantages: its `_generate_and_score_completions` less the rollout) and update
+    reference log-probs, advantages: its `_generate_and_score_completions` less the rollout, plus the old
+    log-probs `InOrderGRPOTrainer` scores after it) and update
     (forward, backward and optimizer: `training_step` less the two)."""
 
     rollout: float = 0.0
@@ -107,7 +111,7 @@ class EpochSeededRepeatSampler(RepeatSampler):
             self.generator.manual_seed((self.seed or 0) + epoch)
 
 
-class ParallelGRPOTrainer(GRPOTrainer):
+class ParallelGRPOTrainer(InOrderGRPOTrainer):
     """GRPOTrainer that scores rollouts under the variant's attention and logs the parallel metrics.
 
     structured=True (Unseen): every log-prob recomputation (policy, old policy, reference) runs inside
@@ -167,6 +171,13 @@ class ParallelGRPOTrainer(GRPOTrainer):
         renamed or missing attribute (a TRL upgrade) computes the micro-batch in full rather than
         skip a real gradient.
         """
+        advantages = inputs.get("advantages")
+        return (model.training and self._skips_are_exact() and isinstance(advantages, torch.Tensor)
+                and bool((advantages == 0).all()))
+
+    def _skips_are_exact(self) -> bool:
+        """The conditions of `_gradient_is_zero` that hold for a whole run: no term but the policy's, one
+        process with whole tensors (see there). `InOrderGRPOTrainer` then leaves them unscored too."""
         def known(owner: Any, name: str, value: Any) -> bool:
             return hasattr(owner, name) and getattr(owner, name) == value and type(getattr(owner, name)) is \
                 type(value)
@@ -178,13 +189,15 @@ class ParallelGRPOTrainer(GRPOTrainer):
                           and getattr(self, "loss_type", None) in CLIP_METRICS)
         whole_tensors = (known(self, "is_deepspeed_enabled", False) and known(self, "is_fsdp_enabled", False)
                          and self.accelerator.num_processes == 1)
-        advantages = inputs.get("advantages")
-        return (model.training and no_extra_terms and whole_tensors and isinstance(advantages, torch.Tensor)
-                and bool((advantages == 0).all()))
+        return no_extra_terms and whole_tensors
 
     def _generate_and_score_completions(self, *args, **kwargs):
         with self.step_times.adding_to("generate_and_score"):
             return super()._generate_and_score_completions(*args, **kwargs)
+
+    def _score_old_logps(self, *args, **kwargs) -> None:
+        with self.step_times.adding_to("generate_and_score"):  # TRL's scoring, deferred: counted as scoring
+            super()._score_old_logps(*args, **kwargs)
 
     def _measured(self, rollout_func):
         def rollout(prompts, trainer):
@@ -227,6 +240,8 @@ class ParallelGRPOTrainer(GRPOTrainer):
             result = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask,
                                                                 logits_to_keep,
                                                                 *args, **kwargs)
+        if self._scoring_deferred:  # TRL's scoring counted this batch's blocks once, when it was deferred
+            return result
         mode = "train" if self.model.training else "eval"
         self._metrics[mode]["structure/broken_blocks"].append(
             float(completion_broken_blocks(input_ids, attention_mask, logits_to_keep, self.tags)))
