@@ -1,178 +1,39 @@
-"""Scale-out across machines, on one: a sweep on a Prefect work pool served by two workers in two clones,
-through a bare git remote, the project's default filesystem DVC remote and one MLflow server.
+"""Scale-out across machines, on one (the lab: tests/scale_out_lab.py): a sweep on a Prefect work pool served
+by two workers in two clones, through a bare git remote, the project's default filesystem DVC remote and one
+MLflow server; another clone restoring its results; a fan-out `reproduce` of two evaluations; a sweep whose
+worker is killed. tests/test_scale_out_stage_kill.py kills a worker under a fanned-out stage, in its own lab.
 
-Every "machine" is a clone in a temporary folder; they share only what separate machines would: the git
-remote, the DVC remote (the default `../../parallel-r1-dvc-remote` of .dvc/config resolves to the same
-sibling folder for every clone here, as on a shared disk), the Prefect server and the MLflow server
-(both on 127.0.0.1, stopped by the fixture). The sweep runs `prepare_model` (tiny profile: a seeded
-random-init model, seconds) with four seeds, so each experiment produces a distinct model. The fan-out
-`reproduce` runs the project's real `evaluate` stage on two checkpoints; the second is a copy of the base
-model with an RL run's rollout record, made by a test-only stage `twin` (the tiny pipeline has no second
-checkpoint that costs seconds).
+The sweep runs `prepare_model` (tiny profile: a seeded random-init model, seconds) with four seeds, so each
+experiment produces a distinct model. The fan-out `reproduce` runs the project's real `evaluate` stage on two
+checkpoints; the second is a copy of the base model with an RL run's rollout record, made by a test-only stage
+`twin` (the tiny pipeline has no second checkpoint that costs seconds).
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
-import os
-import re
-import signal
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import yaml
 
-from flows import ui
-from stages.profiles import write_params
-from tests.conftest import copy_repo, set_param
+from tests.scale_out_lab import (
+    EVALUATIONS,
+    POOL,
+    SWEEP_TIMEOUT_S,
+    dvc,
+    git,
+    kill_machine,
+    listed_experiments,
+    make_data,
+    md5,
+    open_lab,
+)
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
-
-POOL = "test-pool"
-START_TIMEOUT_S = 300
-SWEEP_TIMEOUT_S = 900
-EVALUATIONS = ["evaluate@base", "evaluate@twin"]
-TWIN_STAGE = """
-  twin:                     # test only: a second checkpoint to evaluate, the base weights with the rollout
-    deps: [models/base]     # record an RL run writes beside its model
-    cmd:
-      - cp -r models/base models/twin
-      - 'printf %s ''{"prompt": "parallel", "variant": "seen", "parallel": true}'' > models/twin/rollout.json'
-    outs: [models/twin]
-"""
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def git(*args: str, cwd: Path) -> str:
-    return subprocess.run(["git", "-c", "user.name=test", "-c", "user.email=test@localhost", *args], cwd=cwd,
-                          check=True, capture_output=True, text=True).stdout.strip()
-
-
-def dvc(*args: str, cwd: Path, env: dict | None = None) -> str:
-    done = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=cwd, capture_output=True, text=True,
-                          env=env)
-    assert done.returncode == 0, f"dvc {' '.join(args)}: {done.stdout[-2000:]}{done.stderr[-2000:]}"
-    return done.stdout
-
-
-def listed_experiments(root: Path) -> set[str]:
-    """The names `dvc exp show` lists."""
-    shown = json.loads(dvc("exp", "show", "--json", cwd=root))
-    return {rev["name"] for baseline in shown for experiment in baseline.get("experiments") or []
-            for rev in experiment["revs"]}
-
-
-def md5(path: Path) -> str:
-    return hashlib.md5(path.read_bytes()).hexdigest()
-
-
-def process_tree(pid: int) -> list[int]:
-    """`pid` and every process under it, those in sessions of their own included (DVC runs in one)."""
-    found, waiting = [], [pid]
-    while waiting:
-        current = waiting.pop()
-        found.append(current)
-        for task in Path(f"/proc/{current}/task").glob("*"):
-            with contextlib.suppress(OSError):  # ended meanwhile
-                waiting += [int(child) for child in (task / "children").read_text().split()]
-    return found
-
-
-def kill_machine(pid: int) -> None:
-    """SIGKILL a worker as if its machine died: it, its flow run, and the DVC and stage processes under it."""
-    for process in process_tree(pid):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(process, signal.SIGKILL)
-
-
-def wait_for_workers(api_url: str, workers: list, base: Path) -> None:
-    """Until both workers have registered with the pool (a worker that exits fails the test at once)."""
-    from prefect import get_client
-    from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    deadline = time.monotonic() + START_TIMEOUT_S
-    names: set[str] = set()
-    while len(names) < len(workers):
-        for worker in workers:
-            assert worker.process.poll() is None, (base / f"{worker.name}.log").read_text()[-3000:]
-        assert time.monotonic() < deadline, f"workers not registered in time (seen: {names})"
-        time.sleep(1)
-        with temporary_settings(updates={PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
-            try:
-                names = {worker.name for worker in client.read_workers_for_work_pool(POOL)}
-            except (ObjectNotFound, PrefectHTTPStatusError):  # the pool is not created yet (404)
-                names = set()
-
-
-def make_data(clone: Path, env: dict) -> None:
-    """`make data` in a clone, as its user runs it: the git-ignored mirror/ copied from the lab's shared copy
-    (env PARALLEL_R1_DATA), each file checked."""
-    subprocess.run([sys.executable, "-m", "parallel_r1.mirror"], cwd=clone, env=env, check=True,
-                   capture_output=True)
-
-
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory, mirror):
-    """A git remote; clones launcher, worker-a, worker-b, viewer; Prefect + MLflow servers; two workers."""
-    base = tmp_path_factory.mktemp("lab")
-    launcher = copy_repo(base / "launcher", mirror, "tiny")
-    pipeline = launcher / "conf" / "pipeline.yaml"
-    pipeline.write_text(re.sub(r"(?m)^(evaluate:\n  models:.*\n)(\s+[\[ ].*\n)+", r"\1    [base, twin]\n",
-                               pipeline.read_text(), count=1))
-    (launcher / "dvc.yaml").write_text((launcher / "dvc.yaml").read_text() + TWIN_STAGE)
-    write_params(launcher, "tiny")
-    git("commit", "-qam", "two checkpoints to evaluate", cwd=launcher)
-    origin = base / "origin.git"
-    subprocess.run(["git", "init", "-q", "--bare", "-b", "main", str(origin)], check=True)
-    git("remote", "add", "origin", str(origin), cwd=launcher)
-    git("push", "-q", "origin", "HEAD:refs/heads/main", cwd=launcher)
-    clones = {name: base / name for name in ("worker-a", "worker-b", "viewer")}
-    for clone in clones.values():
-        git("clone", "-q", str(origin), str(clone), cwd=base)
-    ports = {"prefect": free_port(), "mlflow": free_port()}
-    server_root = base / "servers"
-    server_root.mkdir()
-    # Every clone keeps the committed profiles (data.mirror_dir: mirror): a worker gets its data as a user's
-    # clone does, `make data` from the lab's shared copy ($PARALLEL_R1_DATA), and its private clones theirs
-    # from the worker clone's mirror/ (flows/remote.py).
-    env = dict(os.environ, PREFECT_API_URL=f"http://127.0.0.1:{ports['prefect']}/api",
-               MLFLOW_TRACKING_URI=f"http://127.0.0.1:{ports['mlflow']}", PREFECT_WORKER_QUERY_SECONDS="1",
-               PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1", DVC_NO_ANALYTICS="1",
-               PARALLEL_R1_DATA=str(mirror))
-    env.pop("MLFLOW_EXPERIMENT_NAME", None)
-    services = []
-    try:
-        services.append(ui.start("Prefect server", ui.prefect_server_command(ports["prefect"]),
-                                 ui.prefect_server_env(server_root, ports["prefect"]), server_root,
-                                 f"{env['PREFECT_API_URL']}/health", server_root / "prefect.log"))
-        services.append(ui.start("MLflow server", ui.mlflow_server_command(ports["mlflow"], server_root),
-                                 ui.mlflow_server_env(server_root), server_root,
-                                 f"{env['MLFLOW_TRACKING_URI']}/health", server_root / "mlflow.log"))
-        for service in services:
-            ui.wait_healthy(service, START_TIMEOUT_S)
-        for name in ("worker-a", "worker-b"):
-            clone = clones[name]
-            make_data(clone, env)   # `make worker` runs `make data` first
-            services.append(ui.start(name, [sys.executable, "-m", "flows.workpool", "worker", "--pool", POOL,
-                                            "--limit", "1"],
-                                     dict(env, PYTHONPATH=str(clone), PREFECT_HOME=str(clone / ".prefect")),
-                                     clone, None, base / f"{name}.log"))
-        wait_for_workers(env["PREFECT_API_URL"], services[-2:], base)
-        yield {"base": base, "launcher": launcher, "env": env, "services": services, **clones}
-    finally:
-        ui.stop(list(reversed(services)))
+_lab = pytest.fixture(scope="module", name="lab")(open_lab)
 
 
 @pytest.fixture(scope="module")
@@ -305,83 +166,6 @@ def test_fan_out_reproduce_of_two_evaluations_writes_the_dvc_lock_of_a_serial_ru
         assert fanned_lock[stage] == serial_lock[stage], stage
     status = json.loads(dvc("status", "--json", *EVALUATIONS, cwd=launcher))
     assert status == {}  # the outputs are in the workspace, as dvc.lock says
-
-
-def start_worker(lab: dict, name: str):
-    """Serve the pool from clone `name` again (a worker killed by a test comes back for the next one)."""
-    clone = lab[name]
-    command = [sys.executable, "-m", "flows.workpool", "worker", "--pool", POOL, "--limit", "1"]
-    worker_env = dict(lab["env"], PYTHONPATH=str(clone), PREFECT_HOME=str(clone / ".prefect"))
-    service = ui.start(name, command, worker_env, clone, None, lab["base"] / f"{name}.log")
-    lab["services"].append(service)   # stopped with the others at the module's end
-    wait_for_workers(lab["env"]["PREFECT_API_URL"], [service], lab["base"])
-    return service
-
-
-def test_a_fanned_out_stage_whose_worker_dies_is_retried_and_resumes_to_the_model_of_a_serial_run(lab):
-    """`make run POOL=...` (flows.reproduce --pool) of SFT-Seen and SFT-Unseen, one per worker, a checkpoint
-    each step; once one has pushed a checkpoint its worker is killed: the stage's run is marked Crashed,
-    launched again on the other worker, resumes from the checkpoint, and the pipeline completes with the
-    models (and dvc.lock's record of them) of a serial `dvc repro` of the two stages on the same inputs, run
-    after it in the launcher. The launcher's params.yaml is not committed: the fanned-out stages run it all
-    the same (the commit is made aside)."""
-    from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    from flows.workpool import results
-
-    base, env = lab["base"], lab["env"]
-    stages = ["sft@seen", "sft@unseen"]
-    launcher = base / "fanout-launcher"
-    git("clone", "-q", str(base / "origin.git"), str(launcher), cwd=base)
-    make_data(launcher, env)
-    # 3 steps: the next test's sweep trains 4 at the same settings, so no DVC run-cache entry of this
-    # (resumed) run stands in for one of its experiments
-    for key, value in {"sft.save_steps": "1", "sft_variants.seen.max_steps": "3",
-                       "sft_variants.unseen.max_steps": "3", "generate.engine": "transformers"}.items():
-        set_param(launcher / "params.yaml", key, value)
-    dvc("repro", "validate", cwd=launcher)   # the inputs; only the two SFT stages fan out
-    launcher_env = dict(env, PYTHONPATH=str(launcher), PREFECT_HOME=str(launcher / ".prefect"))
-    fanned = subprocess.Popen([sys.executable, "-m", "flows.reproduce", *stages, "--pool", POOL],
-                              cwd=launcher, env=launcher_env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
-    workers = {service.name: service for service in lab["services"] if service.name.startswith("worker-")}
-    pushed = base / "parallel-r1-dvc-remote" / "checkpoints"   # <reproduce id>/<stage>/<folder>/checkpoint-*
-    deadline = time.monotonic() + SWEEP_TIMEOUT_S
-    marker = None
-    while marker is None:
-        assert fanned.poll() is None and time.monotonic() < deadline, fanned.stdout.read()[-3000:]
-        time.sleep(1)
-        marker = next(pushed.glob("reproduce-*/sft_*/sft_*/checkpoint-*.json"), None)
-    killed_stage = marker.parent.parent.name.replace("_", "@", 1)
-    victim = next(name for name in workers
-                  if any((base / name / ".dvc" / "tmp" / "pool").glob(f"{marker.parent.parent.name}-*")))
-    kill_machine(workers[victim].process.pid)
-    output, _ = fanned.communicate(timeout=SWEEP_TIMEOUT_S)
-    assert fanned.returncode == 0, output[-3000:]
-    start_worker(lab, victim)   # the next test kills one of two workers again
-    with temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"]}), \
-            get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=stages)))
-        rows = results([run.id for run in runs], "stage-result")
-    states = sorted((run.name, run.state.type.value) for run in runs)
-    other = next(stage for stage in stages if stage != killed_stage)
-    assert states == sorted([(killed_stage, "CRASHED"), (killed_stage, "COMPLETED"), (other, "COMPLETED")])
-    (retried,) = [rows[run.id] for run in runs if run.name == killed_stage and run.id in rows]
-    assert retried["resumed_from"].startswith(marker.parent.name + "/checkpoint-")
-    assert not retried["worker"].endswith(victim)
-    assert not any(pushed.glob("reproduce-*/*/*/checkpoint-*"))   # removed once the outputs were pushed
-    assert json.loads(dvc("status", "--json", *stages, cwd=launcher)) == {}
-    fanned_locks = yaml.safe_load((launcher / "dvc.lock").read_text())["stages"]
-    assert not any((launcher / "checkpoints").glob("sft_*/checkpoint-*"))  # the serial runs start afresh
-    dvc("repro", "--force", "--single-item", *stages, cwd=launcher)   # serially, here, on the same inputs
-    serial_locks = yaml.safe_load((launcher / "dvc.lock").read_text())["stages"]
-    for stage in stages:
-        fanned_lock, serial_lock = fanned_locks[stage], serial_locks[stage]
-        models = [[out for out in lock["outs"] if out["path"].startswith("models/")]
-                  for lock in (fanned_lock, serial_lock)]
-        assert models[0] == models[1] and fanned_lock["deps"] == serial_lock["deps"], stage
 
 
 def test_a_worker_killed_mid_experiment_crashes_its_run_which_is_retried_from_its_pushed_checkpoint(lab):
