@@ -34,8 +34,8 @@ os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
 # docs/benchmarks.md, "CI"). `make test` passes `--no-loadscope-reorder`, so pytest-xdist hands whole files to
 # the workers in this order: the long ones start first and the short ones fill in at the end, instead of
 # xdist's default (files with the most tests first) leaving one worker alone on a long file at the end.
-LONGEST_FIRST = ("test_scale_out", "test_multiprocess", "test_sft", "test_flows", "test_ui_browser",
-                 "test_grpo_vllm", "test_grpo", "test_engine", "test_small_model",
+LONGEST_FIRST = ("test_scale_out", "test_scale_out_stage_kill", "test_multiprocess", "test_sft", "test_flows",
+                 "test_ui_browser", "test_grpo_vllm", "test_grpo", "test_engine", "test_small_model",
                  "test_pipeline_foundation", "test_paper_path", "test_kv_forking", "test_evaluate_stage",
                  "test_checkpoints", "test_lockstep", "test_dvc_deps")
 

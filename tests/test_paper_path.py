@@ -23,18 +23,20 @@ from parallel_r1.training.grpo import RLOptions, batch_layout, grpo_config, rl_d
 from parallel_r1.training.grpo_trainer import ParallelGRPOTrainer, step_records
 from stages.profiles import compose, profile_names
 from stages.rl import rl_options
-from test_grpo import PROBLEMS, RL, ForkSomeRollouts, init_dir, options  # noqa: F401  (init_dir: fixture)
+from test_grpo import PROBLEMS, RL, ForkSomeRollouts, SpreadIn, init_dir, options  # noqa: F401  (init_dir: fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def trainer_with(opts: RLOptions, init_dir: Path, tmp_path: Path, tokenizer,  # noqa: F811
-                 callbacks=()) -> ParallelGRPOTrainer:
-    """The trainer train_rl builds, with the transformers engine and forced forks."""
+                 callbacks=(), reward=None) -> ParallelGRPOTrainer:
+    """The trainer train_rl builds, with the transformers engine and forced forks (and `reward` instead
+    of the run's schedule, if given)."""
     model, _ = load_model(init_dir, attn_implementation="sdpa")
     dataset, _ = rl_dataset(PROBLEMS, tokenizer, opts.prompt, opts.max_prompt_tokens)
+    reward = reward or build_reward(opts.reward, updates_per_step=opts.updates_per_step)
     return ParallelGRPOTrainer(
-        model=model, reward_funcs=[build_reward(opts.reward, updates_per_step=opts.updates_per_step)],
+        model=model, reward_funcs=[reward],
         args=grpo_config(opts, tmp_path / "out"), train_dataset=dataset, processing_class=tokenizer,
         structured=opts.structured, callbacks=list(callbacks),
         rollout_func=rollout_function_for(opts, "transformers", tokenizer,
@@ -161,7 +163,9 @@ def test_second_update_of_a_rollout_batch_has_ratio_off_one_and_clips(variant, i
                                  "max_steps": 1}}}
     opts = options(rl, variant=variant, epsilon_high=0.28)
     probe = RatioAtSecondUpdate()
-    trainer = trainer_with(opts, init_dir, tmp_path, tokenizer, callbacks=[probe])
+    spread = SpreadIn()   # a spread in every group: the first update (one prompt's group) moves the policy
+    spread.ids = {problem["id"] for problem in PROBLEMS}
+    trainer = trainer_with(opts, init_dir, tmp_path, tokenizer, callbacks=[probe], reward=spread)
     probe.trainer = trainer
     torch.manual_seed(0)
     trainer.train()
