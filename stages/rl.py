@@ -175,8 +175,8 @@ def runtime(result: RLResult, wall_seconds: float) -> dict:
         "step_time_split": result.step_times,
         # micro-batches whose every advantage was 0: their forward/backward skipped (exactly zero gradient)
         "skipped_micro_batches_this_run": result.skipped_micro_batches,
+        # micro-batches whose old log-probs were scored: the later updates' with a spread (InOrderGRPOTrainer)
         "old_logps_scored_micro_batches_this_run": result.old_logps_scored,
-        "old_logps_unscored_micro_batches_this_run": result.old_logps_unscored,
         "rollout_tokens_per_s": round(rate, 1) if rate is not None else None,
     }
 

@@ -355,7 +355,6 @@ class RLResult:
     step_times: dict[str, float] = field(default_factory=dict)  # rollout / scoring / update s (StepTimes)
     skipped_micro_batches: int = 0  # zero-advantage micro-batches that skipped forward/backward (this run)
     old_logps_scored: int = 0       # micro-batches whose old log-probs were scored (InOrderGRPOTrainer)
-    old_logps_unscored: int = 0     # those that needed none: the first update's, or skipped ones
     log_history: list[dict] = field(default_factory=list)  # the Trainer's as MLflow got it (run_memo replays)
 
 
@@ -470,7 +469,7 @@ def train_rl(options: RLOptions, init_dir: str | os.PathLike, rows: Sequence[Map
         dropped_prompts=dropped, snapshots=snapshots, is_main_process=state.is_main_process,
         processes=state.num_processes, step_times=trainer.step_times.split(),
         skipped_micro_batches=trainer.skipped_micro_batches, old_logps_scored=trainer.old_logps_scored,
-        old_logps_unscored=trainer.old_logps_unscored, log_history=list(trainer.state.log_history))
+        log_history=list(trainer.state.log_history))
 
 
 def _keep_trl_off_vllm() -> None:

@@ -37,10 +37,10 @@ class InOrderGRPOTrainer(GRPOTrainer):
     log-probs are not scored either.
     """
 
+    _buffered_inputs: list[dict[str, Any]] | None  # TRL's: the step's micro-batches (set in its __init__)
     _deferred_old_logps: list[tuple[tuple, dict]] | None = None
     _scoring_deferred = False  # while the deferred old log-probs are scored (per-call metrics skip them)
-    old_logps_scored = 0    # micro-batches whose old log-probs were scored (this process's run)
-    old_logps_unscored = 0  # micro-batches that needed none: first update, or no spread and skipped
+    old_logps_scored = 0  # micro-batches whose old log-probs were scored (this process's run)
 
     def _in_order_applies(self) -> bool:
         """Whether the old log-probs serve only the clip ratio of later updates (see the module doc)."""
@@ -54,8 +54,7 @@ class InOrderGRPOTrainer(GRPOTrainer):
         if not (self.model.training and self._in_order_applies()):
             return super()._prepare_inputs(generation_batch)
         steps = self.args.steps_per_generation
-        buffered = getattr(self, "_buffered_inputs")  # noqa: B009 (TRL's attribute, untyped there)
-        if self._step % (steps * self.num_iterations) == 0 or buffered is None:
+        if self._step % (steps * self.num_iterations) == 0 or self._buffered_inputs is None:
             deferred: list[tuple[tuple, dict]] = []
             self._deferred_old_logps = deferred
             try:
@@ -79,14 +78,14 @@ class InOrderGRPOTrainer(GRPOTrainer):
             return
         (model, input_ids, attention_mask, logits_to_keep, *rest), options = deferred[0]
         size = len(input_ids) // len(chunks)
+        every_later = not self._skips_are_exact()
         self._scoring_deferred = True
         try:
             for index, chunk in enumerate(chunks):
                 needed = index >= self.args.gradient_accumulation_steps and (
-                    not self._skips_are_exact() or bool((chunk["advantages"] != 0).any()))
+                    every_later or bool((chunk["advantages"] != 0).any()))
                 if not needed:
                     chunk["old_per_token_logps"] = None
-                    self.old_logps_unscored += 1
                     continue
                 rows = slice(index * size, (index + 1) * size)
                 with torch.no_grad(), disable_gradient_checkpointing(self.model,
