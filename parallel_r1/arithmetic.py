@@ -5,8 +5,9 @@ GSM8K and DAPO problems ~never, so on the small profile every accuracy-rewarded 
 paper's reward schedules cannot be compared. It does solve one-step, single-digit word problems some of the
 time (docs/rl_small_profile.md), which is the signal the accuracy rewards need at its size.
 
-A level is a set of operations, how many of them chain (`steps`), and the operand range. Every question
-of a level is enumerated (template x name x item x operands), shuffled under a seed and split: the first
+A level is a set of operations, how many of them chain (`steps`), the operand range and the wordings
+(`templates`). Every question of a level is enumerated (template x name x item x operands), shuffled under
+a seed and split: the first
 `heldout` questions are the held-out set, the rest the training set, so the two share no question and
 the same seed and knobs always give the same sets. Ground truths are computed from the operands and stay
 non-negative (a subtraction never takes more than there is). Records have the common problem shape
@@ -27,13 +28,18 @@ OPERATIONS = ("add", "sub")
 SPLITS = ("train", "heldout")
 NAMES = ("Tom", "Anna", "Sam", "Lily", "Ben", "Mia")
 ITEMS = ("apples", "pencils", "marbles", "books", "cookies", "stickers")
-# First sentence, then one sentence per operation (a chain of `steps` of them), then the question.
+COLORS = ("red", "blue", "green", "yellow", "white", "black")
+# "change": a count, then one sentence per operation (a chain of `steps` of them), then the question.
 OPENING = "{name} has {a} {item}."
 STEP_TEXT = {
     "add": ("{name} buys {n} more {item}.", "Then {name} gets {n} more {item}."),
     "sub": ("{name} gives {n} {item} to a friend.", "Then {name} gives {n} {item} away."),
 }
 QUESTION = "How many {item} does {name} have now?"
+# The wordings a level draws from, and the operations each can write. "colors" and "together" state every
+# operand at once (no change over time); SFT-Unseen is right on them about twice as often as on "change"
+# (docs/rl_small_profile.md), so they give the accuracy rewards more groups with a spread.
+TEMPLATES = {"change": OPERATIONS, "colors": ("add",), "together": ("add",)}
 
 
 @dataclass(frozen=True)
@@ -41,13 +47,15 @@ class ArithmeticLevel:
     """One difficulty level (params.yaml `data.arithmetic.levels.<level>`).
 
     operations: which of OPERATIONS a step may be; steps: how many operations chain (1: "a + b");
-    operand_min / operand_max: the range of every number in the question (inclusive).
+    operand_min / operand_max: the range of every number in the question (inclusive); templates: the
+    wordings (TEMPLATES), each writing every chain of the level whose operations it can express.
     """
 
     operations: tuple[str, ...] = ("add",)
     steps: int = field(default=1, metadata={"min": 1})
     operand_min: int = field(default=1, metadata={"min": 0})
     operand_max: int = field(default=9, metadata={"min": 1})
+    templates: tuple[str, ...] = ("change",)
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -57,6 +65,17 @@ class ArithmeticLevel:
                                 f"{', '.join(OPERATIONS)}")
         if self.operand_min > self.operand_max:
             raise PipelineError(f"operand_min: {self.operand_min} is above operand_max {self.operand_max}")
+        unknown = sorted(set(self.templates) - set(TEMPLATES))
+        if unknown or not self.templates:
+            raise PipelineError(f"templates: {list(self.templates)!r} must be a non-empty list of "
+                                f"{', '.join(TEMPLATES)}")
+        for template in self.templates:
+            if not set(TEMPLATES[template]) & set(self.operations):
+                raise PipelineError(f"templates: {template!r} writes only {', '.join(TEMPLATES[template])}, "
+                                    f"and this level's operations are {', '.join(self.operations)}")
+            if template != "change" and self.steps + 1 > len(COLORS):
+                raise PipelineError(f"templates: {template!r} names at most {len(COLORS)} operands, "
+                                    f"and steps {self.steps} needs {self.steps + 1}")
 
 
 def _chains(level: ArithmeticLevel) -> Iterator[tuple[tuple[str, ...], tuple[int, ...], int]]:
@@ -73,8 +92,25 @@ def _chains(level: ArithmeticLevel) -> Iterator[tuple[tuple[str, ...], tuple[int
                 yield operations, operands, total
 
 
-def question_text(name: str, item: str, operations: tuple[str, ...], operands: tuple[int, ...]) -> str:
-    """The word problem: opening, one sentence per operation (the first plain, later ones with "Then")."""
+def question_text(name: str, item: str, operations: tuple[str, ...], operands: tuple[int, ...],
+                  template: str = "change") -> str:
+    """The word problem in `template`'s wording.
+
+    change: opening, one sentence per operation (the first plain, later ones with "Then"), question;
+    colors: one person's items of each colour, then the total; together: each person's items (`name` and
+    the next names of NAMES), then the total. The last two write additions only.
+    """
+    if template == "colors":
+        colors = COLORS[:len(operands)]
+        parts = [f"{number} {color} {item}" for number, color in zip(operands, colors, strict=True)]
+        listed = ", ".join(parts[:-1]) + f" and {parts[-1]}"
+        return f"{name} has {listed}. How many {item} does {name} have in total?"
+    if template == "together":
+        first = NAMES.index(name)
+        people = [NAMES[(first + offset) % len(NAMES)] for offset in range(len(operands))]
+        owned = " ".join(f"{person} has {number} {item}."
+                         for person, number in zip(people, operands, strict=True))
+        return f"{owned} How many {item} do they have together?"
     sentences = [OPENING.format(name=name, a=operands[0], item=item)]
     for index, (operation, number) in enumerate(zip(operations, operands[1:], strict=True)):
         sentences.append(STEP_TEXT[operation][min(index, 1)].format(name=name, n=number, item=item))
@@ -85,9 +121,11 @@ def question_text(name: str, item: str, operations: tuple[str, ...], operands: t
 def level_problems(level_name: str, level: ArithmeticLevel, seed: int) -> list[dict]:
     """Every question of the level, in the seeded order the split cuts (records without `dataset`)."""
     problems = [
-        {"question": question_text(name, item, operations, operands), "ground_truth": str(answer),
+        {"question": question_text(name, item, operations, operands, template), "ground_truth": str(answer),
          "answer_kind": "gsm8k", "operations": list(operations), "operands": list(operands)}
-        for operations, operands, answer in _chains(level) for name in NAMES for item in ITEMS
+        for template in level.templates
+        for operations, operands, answer in _chains(level) if set(operations) <= set(TEMPLATES[template])
+        for name in NAMES for item in ITEMS
     ]
     random.Random(f"{seed}:{level_name}").shuffle(problems)
     for index, problem in enumerate(problems):

@@ -65,7 +65,7 @@ def arithmetic_levels(params: dict) -> tuple[dict, dict[str, arithmetic.Arithmet
             raise PipelineError(f"{where}.{key}: must be an integer >= {0 if key == 'seed' else 1}, "
                                 f"got {value!r}")
     levels = {name: from_mapping(arithmetic.ArithmeticLevel,
-                                 {key: tuple(value) if key == "operations" else value
+                                 {key: tuple(value) if key in ("operations", "templates") else value
                                   for key, value in (spec or {}).items()}, f"{where}.levels.{name}")
               for name, spec in (settings.get("levels") or {}).items()}
     return settings, levels

@@ -8,24 +8,26 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, one_line_error, set_param, write_profile_params
-from parallel_r1.arithmetic import ArithmeticLevel, level_problems, split_problems
+from parallel_r1.arithmetic import ArithmeticLevel, level_problems, question_text, split_problems
+from parallel_r1.config import from_mapping
 from parallel_r1.errors import PipelineError
 from parallel_r1.io import read_jsonl
 from parallel_r1.rewards import is_correct
 from stages.profiles import compose
 
 SMALL = compose(REPO, "small")["data"]["arithmetic"]
-LEVELS = {name: ArithmeticLevel(**{**spec, "operations": tuple(spec["operations"])})
+LEVELS = {name: from_mapping(ArithmeticLevel, {key: tuple(value) if isinstance(value, list) else value
+                                               for key, value in spec.items()}, name)
           for name, spec in SMALL["levels"].items()}
 
 
 def solve(question: str) -> int:
-    """The answer read back from the question text alone: the opening count, then each sentence's verb."""
+    """The answer read back from the question text alone: every count adds, but one given away."""
     sentences = [s for s in re.split(r"(?<=[.?])\s+", question) if s]
-    total = int(re.search(r"\d+", sentences[0]).group())  # type: ignore[union-attr]
-    for sentence in sentences[1:-1]:
-        number = int(re.search(r"\d+", sentence).group())  # type: ignore[union-attr]
-        total += -number if " gives " in sentence else number
+    total = 0
+    for sentence in sentences[:-1]:
+        numbers = [int(n) for n in re.findall(r"\d+", sentence)]
+        total += -sum(numbers) if " gives " in sentence else sum(numbers)
     return total
 
 
@@ -63,8 +65,35 @@ def test_a_level_with_two_steps_chains_two_operations_and_never_goes_below_zero(
     assert all(p["question"].count(" gives ") == 2 for p in problems)
 
 
+def test_each_template_words_its_own_chains_and_together_they_enumerate_the_level():
+    level = ArithmeticLevel(operations=("add", "sub"), steps=2, operand_min=2, operand_max=3,
+                            templates=("change", "colors", "together"))
+    problems = level_problems("x", level, 0)
+    wordings = {"change": " now?", "colors": " in total?", "together": " together?"}
+    by_template = {name: [p for p in problems if p["question"].endswith(end)]
+                   for name, end in wordings.items()}
+    people_and_items = 6 * 6
+    # 4 operation pairs x 8 operand triples; 10 go below 0 (2 - 3, and every 2-step take-away of 2s and 3s)
+    assert len(by_template["change"]) == (32 - 10) * people_and_items
+    additions_only = 8 * people_and_items
+    assert len(by_template["colors"]) == len(by_template["together"]) == additions_only
+    assert sum(map(len, by_template.values())) == len(problems)
+    assert all(p["operations"] == ["add", "add"] for p in by_template["colors"] + by_template["together"])
+    assert question_text("Tom", "apples", ("add", "add"), (3, 4, 2), "colors") == (
+        "Tom has 3 red apples, 4 blue apples and 2 green apples. "
+        "How many apples does Tom have in total?")
+    assert question_text("Mia", "books", ("add",), (5, 7), "together") == (
+        "Mia has 5 books. Tom has 7 books. How many books do they have together?")
+
+
 @pytest.mark.parametrize(("knobs", "message"), [
     ({"operations": ("mul",)}, r"^operations: \['mul'\] must be a non-empty list of add, sub$"),
+    ({"templates": ("story",)},
+     r"^templates: \['story'\] must be a non-empty list of change, colors, together$"),
+    ({"operations": ("sub",), "templates": ("colors",)},
+     r"^templates: 'colors' writes only add, and this level's operations are sub$"),
+    ({"steps": 6, "templates": ("together",)},
+     r"^templates: 'together' names at most 6 operands, and steps 6 needs 7$"),
     ({"operand_min": 5, "operand_max": 2}, r"^operand_min: 5 is above operand_max 2$"),
     ({"steps": 0}, r"^steps: must be >= 1, got 0$"),
 ])
@@ -103,7 +132,7 @@ def test_prepare_data_writes_the_small_profiles_sets(tmp_path, monkeypatch, mirr
      "error: params.yaml data.arithmetic.levels.hard.operand_min: 2 is above operand_max 1"),
     ("data.arithmetic.heldout", "100000",
      "error: params.yaml data.arithmetic.heldout: 100000 questions must be >= 1 and leave some of level "
-     "'easy''s 576 for training"),
+     "'easy''s 1152 for training"),
     ("data.arithmetic.seed", "x",
      "error: params.yaml data.arithmetic.seed: must be an integer >= 0, got 'x'"),
 ])

@@ -265,7 +265,8 @@ def test_seeded_grpo_steps_on_the_generated_problems_get_an_accuracy_spread_and_
     folder, _, tokenizer, _ = prepared
     settings = compose(REPO, "small")["data"]["arithmetic"]
     easy = settings["levels"]["easy"]
-    level = ArithmeticLevel(**{**easy, "operations": tuple(easy["operations"])})
+    level = ArithmeticLevel(**{key: tuple(value) if isinstance(value, list) else value
+                               for key, value in easy.items()})
     problem = split_problems("easy", level, settings["seed"], settings["heldout"], "train")[0]
     options = RLOptions(run="grpo", init="base", dataset="gsm8k", reward="accuracy", variant="seen",
                         prompt="baseline", parallel=False, batch_size=1, num_generations=4, max_steps=2,
