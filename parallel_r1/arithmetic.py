@@ -40,6 +40,8 @@ QUESTION = "How many {item} does {name} have now?"
 # operand at once (no change over time); SFT-Unseen is right on them about twice as often as on "change"
 # (docs/rl_small_profile.md), so they give the accuracy rewards more groups with a spread.
 TEMPLATES = {"change": OPERATIONS, "colors": ("add",), "together": ("add",)}
+# How many operands a wording can name: one colour, or one person, each.
+MAX_OPERANDS = {"colors": len(COLORS), "together": len(NAMES)}
 
 
 @dataclass(frozen=True)
@@ -73,8 +75,9 @@ class ArithmeticLevel:
             if not set(TEMPLATES[template]) & set(self.operations):
                 raise PipelineError(f"templates: {template!r} writes only {', '.join(TEMPLATES[template])}, "
                                     f"and this level's operations are {', '.join(self.operations)}")
-            if template != "change" and self.steps + 1 > len(COLORS):
-                raise PipelineError(f"templates: {template!r} names at most {len(COLORS)} operands, "
+            most = MAX_OPERANDS.get(template)
+            if most is not None and self.steps + 1 > most:
+                raise PipelineError(f"templates: {template!r} names at most {most} operands, "
                                     f"and steps {self.steps} needs {self.steps + 1}")
 
 

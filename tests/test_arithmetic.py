@@ -9,16 +9,13 @@ import pytest
 
 from conftest import REPO, one_line_error, set_param, write_profile_params
 from parallel_r1.arithmetic import ArithmeticLevel, level_problems, question_text, split_problems
-from parallel_r1.config import from_mapping
 from parallel_r1.errors import PipelineError
 from parallel_r1.io import read_jsonl
 from parallel_r1.rewards import is_correct
+from stages.prepare_data import arithmetic_levels
 from stages.profiles import compose
 
-SMALL = compose(REPO, "small")["data"]["arithmetic"]
-LEVELS = {name: from_mapping(ArithmeticLevel, {key: tuple(value) if isinstance(value, list) else value
-                                               for key, value in spec.items()}, name)
-          for name, spec in SMALL["levels"].items()}
+SMALL, LEVELS = arithmetic_levels(compose(REPO, "small"))   # parsed as prepare_data parses them
 
 
 def solve(question: str) -> int:

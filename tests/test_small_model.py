@@ -257,17 +257,15 @@ def test_seeded_grpo_steps_on_the_generated_problems_get_an_accuracy_spread_and_
     on the small profile's easy generated problems: the reward reads their ground truths, every step has a
     spread (half of each group right), and the policy moves. Asserts what GRPO needs to learn, not how fast
     it runs."""
-    from parallel_r1.arithmetic import ArithmeticLevel, split_problems
+    from parallel_r1.arithmetic import split_problems
     from parallel_r1.rewards import RewardConfig
     from parallel_r1.training.grpo import RLOptions, train_rl
+    from stages.prepare_data import arithmetic_levels
     from stages.profiles import compose
 
     folder, _, tokenizer, _ = prepared
-    settings = compose(REPO, "small")["data"]["arithmetic"]
-    easy = settings["levels"]["easy"]
-    level = ArithmeticLevel(**{key: tuple(value) if isinstance(value, list) else value
-                               for key, value in easy.items()})
-    problem = split_problems("easy", level, settings["seed"], settings["heldout"], "train")[0]
+    settings, levels = arithmetic_levels(compose(REPO, "small"))
+    problem = split_problems("easy", levels["easy"], settings["seed"], settings["heldout"], "train")[0]
     options = RLOptions(run="grpo", init="base", dataset="gsm8k", reward="accuracy", variant="seen",
                         prompt="baseline", parallel=False, batch_size=1, num_generations=4, max_steps=2,
                         lr=1e-4, max_completion_tokens=32, engine="transformers", per_device_batch_size=4,
