@@ -1,16 +1,19 @@
 """Held-out check of an RL run: its init model vs its final model on the same held-out questions.
 
 Both models are evaluated by `evaluate@<model>` with the same prompts and the same sampler seeds (a sample's
-seed derives from `seed` and its place in the job list, not from the model), so the per-question
-difference final − init is a paired comparison: what varies is the weights. Per question, a metric is the
-mean over its k samples (path diversity and 1 − self-BLEU over the samples that hold a block; a question
-where either model has none drops out of that metric's pairs). The interval is the percentile bootstrap
-over questions: resample the n paired differences with replacement, take the mean, `resamples` times.
-An interval that excludes 0 says the change is beyond the sampling noise of these n questions.
+seed derives from `seed` and its place in the job list, not from the model), so the per-question difference
+final − init is a paired comparison: what varies is the weights. An init evaluated with another prompt or
+rollout mode than its run samples with (base, with the Parallel Thinking prompt, under the GRPO baseline's
+Baseline one) is paired through `evaluate_init@<run>` instead: the init's weights as the run samples, written
+as the evaluation `<run>.init` (INIT_SUFFIX); `same_rollout` checks every pair. Per question, a metric is the
+mean over its k samples (path diversity and 1 − self-BLEU over the samples that hold a block; a question where
+either model has none drops out of that metric's pairs). The interval is the percentile bootstrap over
+questions: resample the n paired differences with replacement, take the mean, `resamples` times. An interval
+that excludes 0 says the change is beyond the sampling noise of these n questions.
 
-Beyond the paper: the small profile's RL runs are a few updates on a 135M model, where a few steps of a
-reward curve are noise; this is the check that its comparisons (`reports.heldout_runs`: S1, S2, diversity)
-changed what the model writes, on held-out generated problems (parallel_r1/arithmetic.py).
+Beyond the paper: the small profile's RL runs are a few updates on a 135M model, where a few steps of a reward
+curve are noise; this is the check that its comparisons (`reports.heldout_runs`: GRPO baseline, S1, S2,
+diversity) changed what the model writes, on held-out generated problems (parallel_r1/arithmetic.py).
 """
 
 from __future__ import annotations
@@ -24,6 +27,24 @@ from parallel_r1.format import self_bleu
 
 RESAMPLES = 10_000
 LEVEL = 0.95
+INIT_SUFFIX = ".init"   # evaluate_init@<run> writes the evaluation <run>.init: its init, as the run samples
+ROLLOUT_KEYS = ("prompt", "variant", "parallel_rollout")   # how an evaluation sampled (its metrics say)
+
+
+def same_rollout(init: Mapping[str, Any], final: Mapping[str, Any], where: tuple[str, str], run: str) -> None:
+    """Fail, in one line, unless the two evaluations (their metrics files) sampled with the same prompt and
+    rollout mode: otherwise final − init would mix the prompt's effect into the weights'."""
+    unrecorded = [path for path, metrics in zip(where, (init, final), strict=True)
+                  if any(key not in metrics for key in ROLLOUT_KEYS)]
+    if unrecorded:
+        raise PipelineError(f"{unrecorded[0]}: no record of the prompt and rollout mode it was sampled with "
+                            f"(written before evaluations recorded them): run its evaluation again")
+    differ = [key for key in ROLLOUT_KEYS if init.get(key) != final.get(key)]
+    if differ:
+        shown = ", ".join(f"{key} {init.get(key)!r} vs {final.get(key)!r}" for key in differ)
+        raise PipelineError(f"{where[0]} and {where[1]}: the init and final of {run!r} sampled differently "
+                            f"({shown}); list {run!r} in params.yaml evaluate.inits to evaluate its init "
+                            f"as it samples")
 
 
 @dataclass(frozen=True)
@@ -130,24 +151,26 @@ def as_json(results: Mapping[str, Mapping[str, PairedInterval | None]]) -> dict:
 
 def markdown(results: Mapping[str, Mapping[str, PairedInterval | None]], inits: Mapping[str, str],
              benchmark: str, banner: str, resamples: int = RESAMPLES) -> str:
-    """reports/heldout.md: one row per (run, metric)."""
+    """reports/heldout.md: one row per (run, metric); `inits` holds each run's Init cell (markdown)."""
     lines = ["# Held-out check — init vs final model of the RL runs that can move", "", banner, "",
              f"Each run's init model and final model on the same held-out `{benchmark}` questions, same "
              "prompts and sampler seeds (`evaluate@<model>`); per question, final − init; the mean of these "
              f"paired differences and its {int(LEVEL * 100)}% percentile bootstrap interval over questions "
              f"({resamples} resamples). Path diversity and 1 − self-BLEU pair only the questions where both "
              "models wrote a well-formed block (n says how many); 1 − self-BLEU of any closed block pairs "
-             "every question. **Beyond noise** = the interval excludes 0.", "",
+             "every question. An init shown *as `<run>` samples* is evaluated with its run's prompt and "
+             "rollout mode (`evaluate_init@<run>`: the GRPO baseline samples with the Baseline prompt). "
+             "**Beyond noise** = the interval excludes 0.", "",
              "| Run | Init | Metric | n | Init | Final | Final − init | 95% interval | Beyond noise |",
              "|---|---|---|---|---|---|---|---|---|"]
     for run, metrics in results.items():
         for metric, interval in metrics.items():
             label = METRICS[metric][0]
             if interval is None:
-                lines.append(f"| `{run}` | `{inits[run]}` | {label} | 0 | — | — | — | — | — |")
+                lines.append(f"| `{run}` | {inits[run]} | {label} | 0 | — | — | — | — | — |")
                 continue
             verdict = ("yes, up" if interval.low > 0 else "yes, down") if interval.excludes_zero else "no"
-            lines.append(f"| `{run}` | `{inits[run]}` | {label} | {interval.n} | {interval.init_mean:.3f} | "
+            lines.append(f"| `{run}` | {inits[run]} | {label} | {interval.n} | {interval.init_mean:.3f} | "
                          f"{interval.final_mean:.3f} | {interval.mean_difference:+.3f} | "
                          f"[{_signed(interval.low)}, {_signed(interval.high)}] | {verdict} |")
     return "\n".join(lines) + "\n"

@@ -3,15 +3,19 @@
     dvc repro evaluate@parallel_r1_seen
     python -m stages.evaluate parallel_r1_seen
     python -m stages.evaluate --curve scaffold       # Figure 4: the scaffold run's snapshots
+    python -m stages.evaluate grpo_dapo.init         # evaluate_init@grpo_dapo: its init, as the run samples
 
-Per benchmark of `evaluate.benchmarks`: k samples per problem at temperature 1.0 with the
-model's training prompt and rollout mode (parallel forking, structured attention for the
-Unseen variant), scored by the training reward's answer checker. Writes
-metrics/eval/<model>/<benchmark>.json and the samples to data/samples/<model>/<benchmark>.jsonl.
-Each run is the MLflow run `evaluate@<model>` with metrics `<benchmark>.<metric>` (the
-curve: `scaffold_curve`, one point per step). One process (one engine start) serves all benchmarks of a
-model: an engine start is a fixed cost per process, largest with vLLM (docs/benchmarks.md, "Start-up"), so
-a process per (model, benchmark) would multiply it by the number of benchmarks.
+Per benchmark of `evaluate.benchmarks`: k samples per problem at `evaluate.temperature` with the model's
+training prompt and rollout mode (parallel forking, structured attention for the Unseen variant), scored by
+the training reward's answer checker. Writes metrics/eval/<model>/<benchmark>.json and the samples to
+data/samples/<model>/<benchmark>.jsonl. Each run is the MLflow run `evaluate@<model>` with metrics
+`<benchmark>.<metric>` (the curve: `scaffold_curve`, one point per step). `<run>.init` evaluates an RL run's
+init model (its rollout record names it) with the run's prompt and rollout mode, for the held-out check's pair
+(parallel_r1/heldout.py): the GRPO baseline samples base with the Baseline prompt, while `evaluate@base` uses
+the Parallel Thinking one. Each benchmark's metrics record the prompt and rollout mode they were sampled with.
+One process (one engine start) serves all benchmarks of a model: an engine start is a fixed cost per process,
+largest with vLLM (docs/benchmarks.md, "Start-up"), so a process per (model, benchmark) would multiply it by
+the number of benchmarks.
 
 An evaluation whose weights (by value) and sampling settings match one already run reuses its
 samples (parallel_r1/sample_memo.py: an RL run without a reward spread keeps its init's weights).
@@ -32,9 +36,10 @@ from parallel_r1 import generation, tracking
 from parallel_r1.engine import RolloutConfig, engine_for_variant, make_engine, resolve_engine
 from parallel_r1.errors import PipelineError
 from parallel_r1.evaluation import benchmark_jobs, by_benchmark, sample_to_row, summarize
+from parallel_r1.heldout import INIT_SUFFIX
 from parallel_r1.identity import identity_stamp, work_identity
 from parallel_r1.io import publish_together, read_json, read_jsonl, write_json
-from parallel_r1.models import check_model_dir, load_tokenizer, runs_in_bf16
+from parallel_r1.models import ROLLOUT_RECORD, check_model_dir, load_tokenizer, runs_in_bf16
 from stages.common import load_params, log, section, stage_main
 
 if TYPE_CHECKING:
@@ -52,13 +57,28 @@ def rollout_mode(model: str) -> tuple[PromptStyle, bool, bool]:
     """
     if model in ("base", "sft_seen", "sft_unseen"):
         return "parallel", model == "sft_unseen", True
-    record = Path("models") / model / "rollout.json"
+    record = Path("models") / model / ROLLOUT_RECORD
     if not record.is_file():
         check_model_dir(record.parent)  # a missing folder says so first
         raise PipelineError(f"{record}: not found (models/{model} is neither base, sft_* nor written by "
                             f"rl@{model})")
     mode = read_json(record)
     return mode["prompt"], mode["variant"] == "unseen", bool(mode["parallel"])
+
+
+def weights_and_mode(name: str) -> tuple[Path, str]:
+    """(the weights' folder, the model whose rollout mode samples them) of the evaluation `name`:
+    models/<name> itself, or for `<run>.init` the init that models/<run>/rollout.json names, sampled as <run>
+    samples."""
+    if not name.endswith(INIT_SUFFIX):
+        return Path("models") / name, name
+    run = name.removesuffix(INIT_SUFFIX)
+    record = Path("models") / run / ROLLOUT_RECORD
+    init = read_json(record).get("init") if record.is_file() else None
+    if not init:
+        raise PipelineError(f"{record}: {'no init recorded' if record.is_file() else 'not found'}; the "
+                            f"evaluation {name} needs rl@{run} (re)run to write it")
+    return Path("models") / init, run
 
 
 def partial_path(model: str, folder: Path) -> Path:
@@ -74,10 +94,12 @@ def stamp(folder: Path, prompt: str, config: RolloutConfig, dtype: str, engine: 
     return identity_stamp(work_identity(folder, settings))
 
 
-def evaluate_folder(model: str, folder: Path, benchmarks: dict[str, int], params: dict) -> dict[str, tuple]:
-    """{benchmark: (metrics, sample rows)} for the checkpoint in `folder`, resuming from its partial file."""
+def evaluate_folder(model: str, folder: Path, benchmarks: dict[str, int], params: dict,
+                    sampled_as: str | None = None) -> dict[str, tuple]:
+    """{benchmark: (metrics, sample rows)} for the checkpoint in `folder`, resuming from its partial file,
+    sampled with the rollout mode of `sampled_as` (default: `model`)."""
     settings = section(params, "evaluate")
-    prompt, structured, parallel = rollout_mode(model)
+    prompt, structured, parallel = rollout_mode(sampled_as or model)
     problems = {name: read_jsonl(f"data/eval/{name}.jsonl", required=PROBLEM_FIELDS) for name in benchmarks}
     check_model_dir(folder)
     tokenizer = load_tokenizer(folder)
@@ -115,6 +137,8 @@ def evaluate_folder(model: str, folder: Path, benchmarks: dict[str, int], params
         k = benchmarks[name]
         metrics = summarize(generated, k, model=model, benchmark=name, profile=params["profile"],
                             checker=checker, tokenizer=tokenizer)
+        metrics.update(prompt=prompt, variant="unseen" if structured else "seen",
+                       parallel_rollout=parallel)   # heldout.ROLLOUT_KEYS: what a paired check compares
         results[name] = (metrics, [sample_to_row(s, checker, tokenizer) for s in generated])
         log.info(f"{model} {name}: mean@{k} {metrics['mean_at_k']:.3f}, pass@{k} {metrics['pass_at_k']:.3f}, "
                  f"parallel {metrics['parallel_ratio']:.2f}, truncated {metrics['truncated']}/"
@@ -140,18 +164,20 @@ def tracked_metrics(benchmark: str, metrics: dict) -> dict[str, float]:
 
 
 def model_tags(model: str, params: dict) -> dict[str, str | None]:
-    """Variant and reward schedule of the model, so MLflow can group evaluations like RL runs."""
+    """Variant and reward schedule of the model, so MLflow can group evaluations like RL runs (an init
+    evaluated as its run samples gets the run's variant and prompt, and no schedule: it was not trained)."""
     run = params.get("rl_runs", {}).get(model, {})   # a tag only: MLflow grouping, not an output
-    prompt, structured, parallel = rollout_mode(model)
+    prompt, structured, parallel = rollout_mode(weights_and_mode(model)[1])
     return {tracking.TAG_VARIANT: "unseen" if structured else "seen",
             tracking.TAG_REWARD_SCHEDULE: run.get("reward"),
             "prompt": prompt, "parallel_rollout": str(parallel).lower()}
 
 
 def evaluate_model(model: str, params: dict) -> None:
-    folder = Path("models") / model
-    with tracking.stage_run("evaluate", model, params, tags=model_tags(model, params)):
-        results = evaluate_folder(model, folder, benchmark_ks(params), params)
+    folder, sampled_as = weights_and_mode(model)
+    stage, key = ("evaluate_init", sampled_as) if sampled_as != model else ("evaluate", model)  # DVC's name
+    with tracking.stage_run(stage, key, params, tags=model_tags(model, params)):
+        results = evaluate_folder(model, folder, benchmark_ks(params), params, sampled_as)
         with publish_together() as outputs:   # every benchmark's metrics and samples, or none
             for name, (metrics, rows) in results.items():
                 outputs.write_json(f"metrics/eval/{model}/{name}.json", metrics)
@@ -191,7 +217,8 @@ def evaluate_curve(run: str, params: dict) -> None:
 @stage_main
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m stages.evaluate", description=__doc__.splitlines()[0])
-    parser.add_argument("model", help="model folder name under models/ (or the run with --curve)")
+    parser.add_argument("model", help="model folder name under models/, <run>.init for a run's init as the "
+                                      "run samples, or the run with --curve")
     parser.add_argument("--curve", action="store_true", help="evaluate the run's step snapshots (Figure 4)")
     args = parser.parse_args(argv)
     params = load_params()

@@ -280,14 +280,15 @@ def test_an_rl_run_reads_only_its_schedules_knobs():
 
 
 def test_the_evaluations_list_every_top_level_evaluate_setting():
-    # evaluate@<model> and scaffold_curve read the `evaluate` section key by key (the model list aside): a
-    # key left out of their params (as max_batch_size was) changes the samples without making them stale
+    # evaluate@<model>, evaluate_init@<run> and scaffold_curve read the `evaluate` section key by key (the
+    # model and init lists aside): a key left out of their params (as max_batch_size was) changes the samples
+    # without making them stale
     section = yaml.safe_load((REPO / "params.yaml").read_text(encoding="utf-8"))["evaluate"]
     stages = yaml.safe_load((REPO / "dvc.yaml").read_text(encoding="utf-8"))["stages"]
-    for name in ("evaluate", "scaffold_curve"):
+    for name in ("evaluate", "evaluate_init", "scaffold_curve"):
         definition = stages[name].get("do", stages[name])
         listed = {param.split(".", 1)[1] for param in definition["params"] if param.startswith("evaluate.")}
-        assert set(section) - {"models"} <= listed, name
+        assert set(section) - {"models", "inits"} <= listed, name
 
 
 def test_evaluation_takes_the_rollout_mode_from_the_model_folder(tmp_path, monkeypatch):

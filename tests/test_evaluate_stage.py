@@ -86,6 +86,23 @@ def test_missing_checkpoint_is_one_line(inside, capsys):
                                                "(did its stage run?)")
 
 
+def test_init_of_a_run_without_a_recorded_init_is_one_line(inside, capsys):
+    from stages.evaluate import main
+
+    run = inside / "models/old_run"
+    run.mkdir(parents=True, exist_ok=True)
+    record = {"prompt": "baseline", "variant": "seen", "parallel": False}   # from before rl@ recorded inits
+    (run / "rollout.json").write_text(json.dumps(record))
+    try:
+        with pytest.raises(SystemExit):
+            main(["old_run.init"])
+        assert capsys.readouterr().err.strip() == (
+            "error: models/old_run/rollout.json: no init recorded; the evaluation old_run.init needs "
+            "rl@old_run (re)run to write it")
+    finally:
+        shutil.rmtree(run)
+
+
 def test_benchmark_without_answers_is_one_line(inside, capsys):
     from stages.evaluate import main
 
@@ -379,11 +396,12 @@ def test_partial_samples_of_another_engine_are_not_reused(inside):
 @pytest.mark.slow  # generates with a model
 def test_identical_weights_reuse_their_samples_and_moved_weights_do_not(inside, monkeypatch, capsys):
     """grpo_gsm8k_then_dapo starts from grpo_gsm8k, in the same rollout mode: without a reward spread it
-    keeps those weights, so its evaluation reads grpo_gsm8k's samples instead of decoding them again.
-    Another prompt, or one changed weight, decodes afresh."""
+    keeps those weights, so its evaluation reads grpo_gsm8k's samples instead of decoding them again; so
+    does grpo_gsm8k's init evaluated as grpo_gsm8k samples. Another prompt, or one changed weight, decodes
+    afresh."""
     import stages.evaluate as stage
 
-    baseline = json.dumps({"prompt": "baseline", "variant": "seen", "parallel": False})
+    baseline = json.dumps({"prompt": "baseline", "variant": "seen", "parallel": False, "init": "base"})
     first, second = (inside / "models" / name for name in ("grpo_gsm8k", "grpo_gsm8k_then_dapo"))
     for run in (first, second):
         shutil.rmtree(run, ignore_errors=True)
@@ -403,6 +421,16 @@ def test_identical_weights_reuse_their_samples_and_moved_weights_do_not(inside, 
                                 for folder, ext in (("data/samples", ".jsonl"), ("metrics/eval", ".json")))
             assert samples[0] == samples[1]
             assert {**json.loads(metrics[0]), "model": None} == {**json.loads(metrics[1]), "model": None}
+        # grpo_gsm8k's init (base) as grpo_gsm8k samples (evaluate_init@grpo_gsm8k): base's weights with the
+        # Baseline prompt, which these copies of base just decoded
+        stage.main(["grpo_gsm8k.init"])
+        assert engines.starts == 1 and "identical" in capsys.readouterr().out
+        for benchmark in BENCHMARKS:
+            paired = json.loads((inside / "metrics/eval/grpo_gsm8k.init" / f"{benchmark}.json").read_text())
+            mode = (paired["prompt"], paired["variant"], paired["parallel_rollout"])
+            assert mode == ("baseline", "seen", False)
+            assert ((inside / "data/samples/grpo_gsm8k.init" / f"{benchmark}.jsonl").read_text()
+                    == (inside / "data/samples/grpo_gsm8k" / f"{benchmark}.jsonl").read_text())
         (second / "rollout.json").write_text(json.dumps({"prompt": "parallel", "variant": "seen",
                                                          "parallel": True}))
         stage.main(["grpo_gsm8k_then_dapo"])  # the same weights under another prompt: other samples

@@ -10,6 +10,7 @@ import pytest
 
 from parallel_r1 import heldout
 from parallel_r1.errors import PipelineError
+from parallel_r1.io import write_json
 
 BLOCK_SAME = ("<Parallel><Path>six times seven</Path><Path>six times seven</Path></Parallel>\n"
               "<Summary>s</Summary>\nFinal Answer: 42")
@@ -72,7 +73,7 @@ def test_compare_on_fixed_samples():
     assert rewarded.final_mean == pytest.approx(0.75)
     accuracy = result["accuracy"]
     assert accuracy is not None and accuracy.mean_difference == 0 and not accuracy.excludes_zero
-    text = heldout.markdown({"run": result}, {"run": "sft_unseen"}, "gsm8k", "> banner")
+    text = heldout.markdown({"run": result}, {"run": "`sft_unseen`"}, "gsm8k", "> banner")
     assert "| `run` | `sft_unseen` | parallel ratio | 32 | 0.250 | 0.750 | +0.500 |" in text
     assert json.loads(json.dumps(heldout.as_json({"run": result})))["run"]["parallel_ratio"]["excludes_zero"]
 
@@ -96,12 +97,28 @@ def test_the_accuracy_row_pairs_every_question_on_fixed_samples():
     assert accuracy is not None and accuracy.n == 64
     assert (accuracy.init_mean, accuracy.final_mean, accuracy.mean_difference) == (0.125, 0.375, 0.25)
     assert 0.1 < accuracy.low < 0.25 < accuracy.high < 0.4
-    text = heldout.markdown({"grpo": {"accuracy": accuracy}}, {"grpo": "base"}, "arithmetic", "> banner")
-    assert (f"| `grpo` | `base` | accuracy | 64 | 0.125 | 0.375 | +0.250 | [+{accuracy.low:.3f}, "
-            f"+{accuracy.high:.3f}] | yes, up |") in text
+    init_cell = "`base` as `grpo` samples"
+    text = heldout.markdown({"grpo": {"accuracy": accuracy}}, {"grpo": init_cell}, "arithmetic", "> banner")
+    assert (f"| `grpo` | {init_cell} | accuracy | 64 | 0.125 | 0.375 | +0.250 | "
+            f"[+{accuracy.low:.3f}, +{accuracy.high:.3f}] | yes, up |") in text
     # two samples a question: a question's value is its mean, 0.5 where one of two is right
     pairs = [row("a", False, correct=True), {**row("a", False), "sample_index": 1}]
     assert heldout.per_question(pairs, "accuracy", "x.jsonl") == {"a": 0.5}
+
+
+def test_an_init_and_final_sampled_with_different_prompts_are_an_error_naming_both_files():
+    base = {"prompt": "parallel", "variant": "seen", "parallel_rollout": True}
+    heldout.same_rollout(base, dict(base), ("a.json", "b.json"), "s1")   # the same: no error
+    with pytest.raises(PipelineError, match=r"^a\.json and b\.json: the init and final of 'grpo' sampled "
+                                            r"differently \(prompt 'parallel' vs 'baseline', "
+                                            r"parallel_rollout True vs False\); list 'grpo' in params.yaml "
+                                            r"evaluate.inits"):
+        heldout.same_rollout(base, {**base, "prompt": "baseline", "parallel_rollout": False},
+                             ("a.json", "b.json"), "grpo")
+    with pytest.raises(PipelineError, match=r"^b\.json: no record of the prompt and rollout mode it was "
+                                            r"sampled with \(written before evaluations recorded them\): run "
+                                            r"its evaluation again$"):
+        heldout.same_rollout(base, {"mean_at_k": 0.5}, ("a.json", "b.json"), "grpo")
 
 
 def test_different_question_sets_are_an_error_naming_the_file():
@@ -115,17 +132,20 @@ def test_stage_writes_report_and_metrics(tmp_path: Path, monkeypatch):
     from stages import heldout as stage
 
     monkeypatch.chdir(tmp_path)
-    for model, parallel in (("sft_unseen", False), ("run_a", True)):
+    parallel_mode = {"prompt": "parallel", "variant": "unseen", "parallel_rollout": True}
+    for model, parallel in (("sft_unseen", False), ("run_a", True), ("run_a.init", False)):
         folder = tmp_path / "data" / "samples" / model
         folder.mkdir(parents=True)
         rows = [row(str(q), parallel, BLOCK_APART if parallel else "x", 1.0 if parallel else None)
                 for q in range(32)]
         (folder / "gsm8k.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        mode = {**parallel_mode, "prompt": "baseline"} if model == "sft_unseen" else parallel_mode
+        write_json(tmp_path / "metrics" / "eval" / model / "gsm8k.json", {"mean_at_k": 0.0, **mode})
     params = {"profile": "tiny", "seed": 0, "rl_runs": {"run_a": {"init": "sft_unseen"}},
-              "reports": {"heldout_runs": ["run_a"]}}
-    out = stage.build(params)
-    expected = ("| `run_a` | `sft_unseen` | parallel ratio | 32 | 0.000 | 1.000 | +1.000 | [+1.000, +1.000] "
-                "| yes, up |")
+              "reports": {"heldout_runs": ["run_a"]}, "evaluate": {"inits": ["run_a"]}}
+    out = stage.build(params)   # the init as run_a samples (run_a.init), not sft_unseen's own evaluation
+    expected = ("| `run_a` | `sft_unseen` as `run_a` samples | parallel ratio | 32 | 0.000 | 1.000 | "
+                "+1.000 | [+1.000, +1.000] | yes, up |")
     assert expected in out.read_text()
     assert json.loads((tmp_path / "metrics" / "heldout.json").read_text())["run_a"]["path_diversity"] is None
     with pytest.raises(PipelineError, match="reports.heldout_runs: 'nope' is not an rl_runs entry"):
@@ -133,3 +153,8 @@ def test_stage_writes_report_and_metrics(tmp_path: Path, monkeypatch):
     with pytest.raises(PipelineError, match=r"heldout_runs: 'run_a' needs evaluations of sft_unseen, which "
                                             r"evaluate.models does not list$"):
         stage.build({**params, "evaluate": {"models": ["run_a"]}})
+    # without evaluate.inits the pair is sft_unseen's own evaluation, sampled with another prompt
+    with pytest.raises(PipelineError, match=r"^metrics/eval/sft_unseen/gsm8k\.json and "
+                                            r"metrics/eval/run_a/gsm8k\.json: the init and final of 'run_a' "
+                                            r"sampled differently \(prompt 'baseline' vs 'parallel'\)"):
+        stage.build({**params, "evaluate": {}})
