@@ -176,6 +176,11 @@ def model_tags(model: str, params: dict) -> dict[str, str | None]:
 def evaluate_model(model: str, params: dict) -> None:
     folder, sampled_as = weights_and_mode(model)
     stage, key = ("evaluate_init", sampled_as) if sampled_as != model else ("evaluate", model)  # DVC's name
+    declared = (section(params, "evaluate").get("inits") or {}).get(sampled_as, folder.name)
+    if stage == "evaluate_init" and declared != folder.name:   # dvc.yaml's dep is the declared one
+        raise PipelineError(f"params.yaml evaluate.inits.{sampled_as}: {declared!r}, but "
+                            f"models/{sampled_as}/{ROLLOUT_RECORD} says rl@{sampled_as} started from "
+                            f"{folder.name!r}")
     with tracking.stage_run(stage, key, params, tags=model_tags(model, params)):
         results = evaluate_folder(model, folder, benchmark_ks(params), params, sampled_as)
         with publish_together() as outputs:   # every benchmark's metrics and samples, or none

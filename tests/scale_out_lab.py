@@ -120,8 +120,8 @@ def open_lab(tmp_path_factory, mirror):
     base = tmp_path_factory.mktemp("lab")
     launcher = copy_repo(base / "launcher", mirror, "tiny")
     pipeline = launcher / "conf" / "pipeline.yaml"
-    pipeline.write_text(re.sub(r"(?m)^(evaluate:\n  models:.*\n)(\s+[\[ ].*\n)+", r"\1    [base, twin]\n",
-                               pipeline.read_text(), count=1))
+    pipeline.write_text(re.sub(r"(?m)^(evaluate:\n  models:.*\n)( {4}.*\n)+", r"\1    [base, twin]\n",
+                               pipeline.read_text(), count=1))   # the list's lines only: the keys after stay
     (launcher / "dvc.yaml").write_text((launcher / "dvc.yaml").read_text() + TWIN_STAGE)
     write_params(launcher, "tiny")
     git("commit", "-qam", "two checkpoints to evaluate", cwd=launcher)

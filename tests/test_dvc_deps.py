@@ -324,11 +324,15 @@ def test_report_stages_depend_on_the_runs_their_params_name(profile):
 
     params = compose(REPO, profile)
     options = from_mapping(ReportOptions, params.get("reports", {}), "reports")
-    # heldout reads the samples of each run of reports.heldout_runs and of its init: all of data/samples,
-    # and those models must be evaluated on the profile
-    read = {model for run in options.heldout_runs for model in (run, params["rl_runs"][run]["init"])}
-    assert "data/samples" in declared_deps("heldout"), declared_deps("heldout")
-    assert read <= set(params["evaluate"]["models"]), read - set(params["evaluate"]["models"])
+    # heldout reads the samples of each run of reports.heldout_runs and of its init (its evaluation as the
+    # run samples, <run>.init, for a run of evaluate.inits) and how each was sampled: all of data/samples and
+    # metrics/eval, and those evaluations must be the profile's
+    inits = set(params["evaluate"].get("inits") or [])
+    read = {model for run in options.heldout_runs
+            for model in (run, f"{run}.init" if run in inits else params["rl_runs"][run]["init"])}
+    assert {"data/samples", "metrics/eval"} <= declared_deps("heldout"), declared_deps("heldout")
+    evaluated = set(params["evaluate"]["models"]) | {f"{run}.init" for run in inits}
+    assert read <= evaluated, read - evaluated
     read = {f"metrics/rl/{run}/{name}" for run in options.reward_schedule_runs
             for name in ("steps.json", "summary.json")}
     assert read <= declared_deps("reward_schedules"), read - declared_deps("reward_schedules")

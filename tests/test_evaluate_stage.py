@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import set_param, write_profile_params
+from parallel_r1.errors import PipelineError
 from parallel_r1.models import TinyModelConfig, prepare_base_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,6 +100,17 @@ def test_init_of_a_run_without_a_recorded_init_is_one_line(inside, capsys):
         assert capsys.readouterr().err.strip() == (
             "error: models/old_run/rollout.json: no init recorded; the evaluation old_run.init needs "
             "rl@old_run (re)run to write it")
+        # dvc.yaml's evaluate_init@<run> depends on the init params.yaml declares: it must be the one recorded
+        from stages.common import load_params
+        from stages.evaluate import evaluate_model
+
+        (run / "rollout.json").write_text(json.dumps({**record, "init": "base"}))
+        params = load_params()
+        params["evaluate"]["inits"] = {"old_run": "sft_unseen"}
+        with pytest.raises(PipelineError, match=r"^params.yaml evaluate.inits.old_run: 'sft_unseen', but "
+                                                r"models/old_run/rollout.json says rl@old_run started from "
+                                                r"'base'$"):
+            evaluate_model("old_run.init", params)
     finally:
         shutil.rmtree(run)
 

@@ -142,7 +142,7 @@ def test_stage_writes_report_and_metrics(tmp_path: Path, monkeypatch):
         mode = {**parallel_mode, "prompt": "baseline"} if model == "sft_unseen" else parallel_mode
         write_json(tmp_path / "metrics" / "eval" / model / "gsm8k.json", {"mean_at_k": 0.0, **mode})
     params = {"profile": "tiny", "seed": 0, "rl_runs": {"run_a": {"init": "sft_unseen"}},
-              "reports": {"heldout_runs": ["run_a"]}, "evaluate": {"inits": ["run_a"]}}
+              "reports": {"heldout_runs": ["run_a"]}, "evaluate": {"inits": {"run_a": "sft_unseen"}}}
     out = stage.build(params)   # the init as run_a samples (run_a.init), not sft_unseen's own evaluation
     expected = ("| `run_a` | `sft_unseen` as `run_a` samples | parallel ratio | 32 | 0.000 | 1.000 | "
                 "+1.000 | [+1.000, +1.000] | yes, up |")
