@@ -92,10 +92,12 @@ def keys(tree: dict, where: str = "") -> set[str]:
 
 def without_run_overrides(found: set[str]) -> set[str]:
     """Keys less a run entry's optional overrides of its dataset's and rl's values (stages.rl RUN_OVERRIDES):
-    a profile sets them only for the runs it trains differently (the small profile's runs that can move)."""
+    a profile sets them only for the runs it trains differently (the small profile's runs that can move);
+    the entries of evaluate.inits count as the one key."""
     from stages.rl import RUN_OVERRIDES
 
-    return {key for key in found
+    # evaluate.inits maps run names to inits, as rl_runs does: its entries are a profile's own (empty: a leaf)
+    return {"evaluate.inits" if key.startswith("evaluate.inits.") else key for key in found
             if not (key.startswith("rl_runs.") and key.rsplit(".", 1)[1] in RUN_OVERRIDES)}
 
 
