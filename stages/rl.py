@@ -9,7 +9,7 @@ A run starts from models/<init> and trains on data/rl/<dataset>.jsonl with its r
 (structured log-probs), with the Parallel Thinking or the Baseline prompt, forking rollouts at
 `<Parallel>` or not (the GRPO baselines). Writes models/<run> (safetensors + tokenizer; the scaffold
 run also models/<run>/steps/step-<n>/ every scaffold_curve.every steps, for Figure 4; and
-models/<run>/rollout.json: the prompt, variant and forking evaluate@<run> generates with, and the init),
+models/<run>/rollout.json: the prompt, variant and forking evaluate@<run> generates with),
 metrics/rl/<run>/steps.json (per step: reward, accuracy, parallel ratio, <Parallel> position,
 response length, blocks per response, path diversity, reward spread, reward type; a DVC plot) and
 metrics/rl/<run>/summary.json (what ran and where it ended: the reports read it) and
@@ -38,7 +38,7 @@ from parallel_r1 import tracking
 from parallel_r1.config import from_mapping
 from parallel_r1.errors import PipelineError
 from parallel_r1.io import publish_together, read_jsonl
-from parallel_r1.models import ROLLOUT_RECORD, check_model_dir
+from parallel_r1.models import check_model_dir
 from parallel_r1.rewards import SCHEDULE_KNOBS, SHARED_KNOBS, RewardConfig
 from parallel_r1.training import run_memo
 from parallel_r1.training.grpo import RLOptions, RLResult, train_rl
@@ -55,6 +55,7 @@ SHARED_KEYS = tuple(f.name for f in dataclasses.fields(RLOptions)
                     if f.name not in (*RUN_KEYS, *DATASET_KEYS, "run", "seed", "snapshot_every"))
 # How the model generates, saved with it: evaluate@<run> reads it from models/<run> (its declared dep)
 # instead of params.yaml rl_runs, so an evaluation depends on the model it evaluates and nothing more.
+ROLLOUT_RECORD = "rollout.json"
 
 
 def rl_options(params: dict, run: str) -> RLOptions:
@@ -231,8 +232,7 @@ def main(argv: list[str] | None = None) -> None:
             if key is not None and result.resumed_from is None:
                 run_memo.store(key, run, model_dir, result.log_history, history, summary)
         with publish_together() as outputs:
-            rollout = {"prompt": options.prompt, "variant": options.variant, "parallel": options.parallel,
-                       "init": options.init}   # evaluate_init@<run> evaluates the init as this run samples
+            rollout = {"prompt": options.prompt, "variant": options.variant, "parallel": options.parallel}
             outputs.write_json(model_dir / ROLLOUT_RECORD, rollout)
             outputs.write_json(f"metrics/rl/{run}/steps.json", history)
             outputs.write_json(f"metrics/rl/{run}/summary.json", summary)

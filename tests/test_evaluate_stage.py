@@ -10,7 +10,6 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import set_param, write_profile_params
-from parallel_r1.errors import PipelineError
 from parallel_r1.models import TinyModelConfig, prepare_base_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,32 +86,14 @@ def test_missing_checkpoint_is_one_line(inside, capsys):
                                                "(did its stage run?)")
 
 
-def test_init_of_a_run_without_a_recorded_init_is_one_line(inside, capsys):
+def test_init_of_a_run_without_an_evaluate_inits_entry_is_one_line(inside, capsys):
     from stages.evaluate import main
 
-    run = inside / "models/old_run"
-    run.mkdir(parents=True, exist_ok=True)
-    record = {"prompt": "baseline", "variant": "seen", "parallel": False}   # from before rl@ recorded inits
-    (run / "rollout.json").write_text(json.dumps(record))
-    try:
-        with pytest.raises(SystemExit):
-            main(["old_run.init"])
-        assert capsys.readouterr().err.strip() == (
-            "error: models/old_run/rollout.json: no init recorded; the evaluation old_run.init needs "
-            "rl@old_run (re)run to write it")
-        # dvc.yaml's evaluate_init@<run> depends on the init params.yaml declares: it must be the one recorded
-        from stages.common import load_params
-        from stages.evaluate import evaluate_model
-
-        (run / "rollout.json").write_text(json.dumps({**record, "init": "base"}))
-        params = load_params()
-        params["evaluate"]["inits"] = {"old_run": "sft_unseen"}
-        with pytest.raises(PipelineError, match=r"^params.yaml evaluate.inits.old_run: 'sft_unseen', but "
-                                                r"models/old_run/rollout.json says rl@old_run started from "
-                                                r"'base'$"):
-            evaluate_model("old_run.init", params)
-    finally:
-        shutil.rmtree(run)
+    with pytest.raises(SystemExit):
+        main(["old_run.init"])
+    assert capsys.readouterr().err.strip() == (
+        "error: params.yaml evaluate.inits: no entry for 'old_run', so the evaluation old_run.init has no "
+        "init to evaluate")
 
 
 def test_benchmark_without_answers_is_one_line(inside, capsys):
@@ -413,7 +394,7 @@ def test_identical_weights_reuse_their_samples_and_moved_weights_do_not(inside, 
     afresh."""
     import stages.evaluate as stage
 
-    baseline = json.dumps({"prompt": "baseline", "variant": "seen", "parallel": False, "init": "base"})
+    baseline = json.dumps({"prompt": "baseline", "variant": "seen", "parallel": False})
     first, second = (inside / "models" / name for name in ("grpo_gsm8k", "grpo_gsm8k_then_dapo"))
     for run in (first, second):
         shutil.rmtree(run, ignore_errors=True)
@@ -435,7 +416,13 @@ def test_identical_weights_reuse_their_samples_and_moved_weights_do_not(inside, 
             assert {**json.loads(metrics[0]), "model": None} == {**json.loads(metrics[1]), "model": None}
         # grpo_gsm8k's init (base) as grpo_gsm8k samples (evaluate_init@grpo_gsm8k): base's weights with the
         # Baseline prompt, which these copies of base just decoded
-        stage.main(["grpo_gsm8k.init"])
+        params = inside / "params.yaml"
+        kept = params.read_text()
+        set_param(params, "evaluate.inits", "{grpo_gsm8k: base}")   # as a profile composes it from rl_runs
+        try:
+            stage.main(["grpo_gsm8k.init"])
+        finally:
+            params.write_text(kept)
         assert engines.starts == 1 and "identical" in capsys.readouterr().out
         for benchmark in BENCHMARKS:
             paired = json.loads((inside / "metrics/eval/grpo_gsm8k.init" / f"{benchmark}.json").read_text())
