@@ -8,7 +8,7 @@ A pool is Prefect's: `process` type when this module creates it (each flow run a
 worker); create it as `kubernetes` or `docker` beforehand (`prefect work-pool create --type ...`) and
 the same deployment runs there — the code does not change, only the pool. The deployment
 `experiment/<pool>` (flows/experiment.py) carries one pull step, `set_working_directory` to
-`{{ $PARALLEL_R1_CLONE }}`: each worker exports its own clone's path (the Makefile does), so one
+`{{ $PARALLEL_R1_CLONE }}`: each worker exports its own clone's path (`start_worker` does), so one
 deployment serves clones at different paths on different machines. Both the sweep and each worker
 register the pool and the deployment (idempotent), so neither has to come first.
 

@@ -3,13 +3,12 @@
     dvc repro generate@gsm8k          # or generate@dapo
     python -m stages.generate gsm8k
 
-`source: model` generates with the teacher through the rollout engine in plain
-(non-forking) mode — vLLM when installed (offline `LLM`, prefix caching on), else
-transformers — and keeps only the output after the teacher's hidden thinking.
-`source: released` takes the authors' released generations (the mirror's
-teacher_demos_gsm8k.jsonl). Finished chunks are appended to a partial
-file (data/partial/teacher/<dataset>.jsonl, outside data/teacher/ where readers glob), so a killed
-run resumes where it stopped.
+`source: model` generates with the teacher through the rollout engine in plain (non-forking) mode — the engine
+of `generate.engine` (vllm: offline `LLM`, prefix caching on; auto: vLLM where it is installed and CUDA is
+present, else transformers) — and keeps only the output after the teacher's hidden thinking. `source:
+released` takes the authors' released generations (the mirror's teacher_demos_gsm8k.jsonl). Finished chunks
+are appended to a partial file (data/partial/teacher/<dataset>.jsonl, outside data/teacher/ where readers
+glob), so a killed run resumes where it stopped.
 """
 
 from __future__ import annotations

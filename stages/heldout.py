@@ -7,11 +7,11 @@ For each run of params.yaml `reports.heldout_runs`, its init model's and its fin
 `reports.heldout_benchmark` (`data/samples/<model>/<benchmark>.jsonl`, written by evaluate@<model> with the
 same prompts and sampler seeds; for a run listed in `evaluate.inits`, the init's evaluation as the run
 samples, `<run>.init`, by evaluate_init@<run>; metrics/eval/ says each one's prompt and rollout mode, which
-must match) are paired per question: parallel ratio, path diversity, 1 − self-BLEU and accuracy, final − init,
-with a 95% percentile bootstrap interval over the questions (parallel_r1/heldout.py). Writes
-reports/heldout.md and metrics/heldout.json (a DVC metric). A stage of its own, not a branch of
-stages.reports: it reads evaluations (samples and how they were sampled), not the reports' metric files, and
-its code deps stay its own.
+must match) are paired per question: parallel ratio, path diversity, 1 − self-BLEU of the paths, 1 − self-BLEU
+of any closed block and accuracy, final − init, with a 95% percentile bootstrap interval over the questions
+(parallel_r1/heldout.py). Writes reports/heldout.md and metrics/heldout.json (a DVC metric). A stage of its
+own, not a branch of stages.reports: it reads evaluations (samples and how they were sampled), not the
+reports' metric files, and its code deps stay its own.
 """
 
 from __future__ import annotations

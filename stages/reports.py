@@ -18,7 +18,8 @@ evaluates is its `evaluate.models`, and a row it leaves out reads "not evaluated
     rl_runs            metrics/rl/<run>/summary.json, steps.json -> reports/rl_runs.md
 
 Each build is an MLflow run named like its DVC stage, with the report (and its plot) as
-artifacts. Benchmarks are aime25, aime24, amc23 and math (and GSM8K test where evaluated). params.yaml
+artifacts. Benchmarks are aime25, aime24, amc23 and math (and GSM8K test and the held-out
+arithmetic problems where evaluated). params.yaml
 keys read: `profile`, and the
 optional section `reports` (defaults in `parallel_r1.reports.ReportOptions`):
 
@@ -30,10 +31,11 @@ optional section `reports` (defaults in `parallel_r1.reports.ReportOptions`):
       ablation_prompt_rows: {with_prompt: parallel_r1_seen, without_prompt: parallel_r1_seen_without_prompt}
       ablation_reward_rows: {accuracy_only: parallel_r1_unseen_s1,
                              parallel_only: parallel_r1_unseen_parallel_only,
-                             alternating: parallel_r1_unseen_s2}
+                             alternating: parallel_r1_unseen_s2,
+                             parallel_diversity: parallel_r1_unseen_parallel_diversity}
       figure3_runs: [parallel_r1_seen, parallel_r1_unseen_s1, parallel_r1_unseen_s2]
-      reward_schedule_runs: [parallel_r1_unseen_s1, parallel_r1_unseen_parallel_only, parallel_r1_unseen_s2,
-                             scaffold]
+      reward_schedule_runs: [parallel_r1_unseen_s1, parallel_r1_unseen_parallel_only,
+                             parallel_r1_unseen_parallel_diversity, parallel_r1_unseen_s2, scaffold]
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ ABLATIONS = {
 
 def read_eval_metrics(models: list[str]) -> dict[str, dict[str, dict]]:
     """metrics/eval/<model>/<benchmark>.json for the given models: the paper's four benchmarks
-    (required) and the extra ones (GSM8K test) where the evaluation wrote them."""
+    (required) and the extra ones (GSM8K test, arithmetic) where the evaluation wrote them."""
     metrics: dict[str, dict[str, dict]] = {}
     for model in dict.fromkeys(models):
         metrics[model] = {bench: read_json(reports.eval_metrics_path(model, bench, METRICS / "eval"))
