@@ -11,17 +11,17 @@ the training reward's answer checker. Writes metrics/eval/<model>/<benchmark>.js
 data/samples/<model>/<benchmark>.jsonl. Each run is the MLflow run `evaluate@<model>` with metrics
 `<benchmark>.<metric>` (the curve: `scaffold_curve`, one point per step). `<run>.init` evaluates an RL run's
 init model (`evaluate.inits`) with the run's prompt and rollout mode, for the held-out check's pair
-(parallel_r1/heldout.py: the GRPO baseline samples base with the Baseline prompt, while `evaluate@base` uses
-the Parallel Thinking one), as the MLflow run `evaluate_init@<run>`. Each benchmark's metrics record the
-prompt and rollout mode they were sampled with. One process (one engine start) serves all benchmarks of a
-model: an engine start is a fixed cost per process, largest with vLLM (docs/benchmarks.md, "Start-up"), so a
-process per (model, benchmark) would multiply it by the number of benchmarks.
+(parallel_r1/heldout.py): the GRPO baseline samples base with the Baseline prompt, while `evaluate@base` uses
+the Parallel Thinking one. Each benchmark's metrics record the prompt and rollout mode they were sampled with.
+One process (one engine start) serves all benchmarks of a model: an engine start is a fixed cost per process,
+largest with vLLM (docs/benchmarks.md, "Start-up"), so a process per (model, benchmark) would multiply it by
+the number of benchmarks.
 
-An evaluation whose weights (by value) and sampling settings match one already run reuses its samples
-(parallel_r1/sample_memo.py: an RL run without a reward spread keeps its init's weights). Otherwise samples
-are generated resumably (parallel_r1/generation.py: all benchmarks mixed in each engine call, every finished
-chunk appended to data/partial/eval/<model>.jsonl, the curve's to <run>-step-<n>.jsonl, an init's to
-<run>.init-<init>.jsonl), so a killed evaluation resumes where it stopped. The file lies outside the stage's
+An evaluation whose weights (by value) and sampling settings match one already run reuses its
+samples (parallel_r1/sample_memo.py: an RL run without a reward spread keeps its init's weights).
+Otherwise samples are generated resumably (parallel_r1/generation.py: all benchmarks mixed in each engine
+call, every finished chunk appended to data/partial/eval/<model>.jsonl, the curve's to
+<run>-step-<n>.jsonl), so a killed evaluation resumes where it stopped. The file lies outside the stage's
 outputs because DVC deletes those before it re-runs a stage; it is deleted once the outputs are written.
 """
 
@@ -81,8 +81,7 @@ def weights_and_mode(name: str, params: dict) -> tuple[Path, str]:
 
 
 def partial_path(model: str, folder: Path) -> Path:
-    """Where the evaluation of `folder` keeps its finished chunks: <model>.jsonl, <run>-step-<n>.jsonl for a
-    curve's snapshot, <run>.init-<init>.jsonl for an init."""
+    """Where the evaluation of `folder` keeps its finished chunks: <model>.jsonl, or <run>-step-<n>.jsonl."""
     return PARTIAL_DIR / (f"{model}.jsonl" if folder.name == model else f"{model}-{folder.name}.jsonl")
 
 

@@ -21,9 +21,8 @@ every rl.save_steps; re-running a killed run resumes from the last one.
 
 A run that is the same computation as one already finished (equal init weights by value, prompts, options
 but the names, rewards and code: parallel_r1/training/run_memo.py) reuses that run's model, steps and
-summary (`reused_from` in its runtime record and as an MLflow tag) instead of training again: in the tiny
-profile grpo_gsm8k_then_dapo is grpo_dapo whenever GRPO on GSM8K got no reward spread (in the small one they
-differ: grpo_dapo trains longer, conf/profile/small.yaml rl_runs).
+summary (`reused_from` in its runtime record and as an MLflow tag) instead of training again: in the default
+profile grpo_gsm8k_then_dapo is grpo_dapo whenever GRPO on GSM8K got no reward spread.
 """
 
 from __future__ import annotations
