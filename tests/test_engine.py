@@ -523,3 +523,41 @@ def test_vllm_on_a_cpu_short_of_free_memory_is_refused_in_one_line_naming_the_pa
     assert str(refused.value) == (
         "params.yaml generate.gpu_memory_utilization: vLLM on the CPU reserves 0.3 of 24.0 GiB (7.20 GiB) "
         f"and 5.00 GiB is free now: lower it or free memory {RESOURCE_MARK}")
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_the_teacher_stage_on_vllm_writes_one_generation_per_problem(tmp_path, mirror):
+    """`dvc repro generate@dapo` as the committed tiny profile runs it: `generate.engine: vllm`, the default
+    profiles' one vLLM stage (the pipeline and scale-out tests run the teacher on transformers). One row per
+    problem, in the mirror's order, each completion's token count the student tokenizer's."""
+    import json
+    import os
+
+    import yaml
+
+    from parallel_r1.data import load_problems
+    from tests.conftest import copy_repo
+
+    repo = copy_repo(tmp_path / "repo", mirror)
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    assert params["generate"]["engine"] == "vllm"
+    env = dict(os.environ, PYTHONPATH=str(repo), PARALLEL_R1_TRACKING="off", DVC_NO_ANALYTICS="1")
+    done = subprocess.run([sys.executable, "-m", "dvc", "repro", "generate@dapo"], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=900)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert "'enable_prefix_caching': True" in output   # vLLM's engine arguments, as the stage passes them
+    rows = [json.loads(line) for line in (repo / "data/teacher/dapo.jsonl").read_text().splitlines()]
+    spec = params["generate_datasets"]["dapo"]
+    limit = spec["limit"]
+    problems = load_problems(spec["problems"], repo / params["data"]["mirror_dir"], limit)
+    assert len(rows) == limit and [row["id"] for row in rows] == [problem["id"] for problem in problems]
+    student = load_tokenizer(str(repo / "models" / "base"))
+    for row in rows:
+        assert (row["source"], row["model"]) == ("model", "models/base")
+        assert row["question"] in row["prompt"]
+        counted = student(row["completion"], add_special_tokens=False)["input_ids"]
+        assert row["completion_tokens"] == len(counted)
+    assert not (repo / "data/partial/teacher/dapo.jsonl").exists()

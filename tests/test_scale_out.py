@@ -187,10 +187,10 @@ def test_a_worker_killed_mid_experiment_crashes_its_run_which_is_retried_from_it
     launcher = base / "crash-launcher"  # a clean clone: the other tests leave their workspaces changed
     git("clone", "-q", str(base / "origin.git"), str(launcher), cwd=base)
     launcher_env = dict(env, PYTHONPATH=str(launcher), PREFECT_HOME=str(launcher / ".prefect"))
-    steps = 4
+    steps = 4   # of 2 sequences each (the profile's 4: twice the time, no more of the path under test)
     sweep = subprocess.Popen([sys.executable, "-m", "flows.sweep", "--target", "sft@seen", "--grid",
                               "sft.lr=3e-3,1e-3", "sft.save_steps=1", f"sft_variants.seen.max_steps={steps}",
-                              "--pool", POOL], cwd=launcher, env=launcher_env,
+                              "sft.batch_size=2", "--pool", POOL], cwd=launcher, env=launcher_env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     workers = {service.name: service for service in lab["services"] if service.name.startswith("worker-")}
     pushed = base / "parallel-r1-dvc-remote" / "checkpoints"  # <sweep id>/<experiment>/sft_seen/checkpoint-N
