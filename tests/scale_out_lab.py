@@ -125,7 +125,7 @@ def open_lab(tmp_path_factory, mirror):
                                pipeline.read_text(), count=1))   # the list's lines only: the keys after stay
     (launcher / "dvc.yaml").write_text((launcher / "dvc.yaml").read_text() + TWIN_STAGE)
     # the teacher on transformers: the labs check what the pool does with stages, not vLLM, whose CPU start-up
-    # in every clone that runs the teacher would be most of their set-up (the pipeline tests run it)
+    # in every clone that runs the teacher is much of their set-up (tests/test_engine.py runs it on vLLM)
     tiny = launcher / "conf" / "profile" / "tiny.yaml"
     assert TEACHER_ON_VLLM in tiny.read_text(), f"{tiny}: the tiny teacher's engine line changed"
     tiny.write_text(tiny.read_text().replace(TEACHER_ON_VLLM, "  engine: transformers\n"))
