@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
+import os
 import socket
 import subprocess
 import sys
@@ -18,7 +20,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
 
+from parallel_r1.data import load_problems
 from parallel_r1.engine import RolloutConfig, RolloutEngine, make_engine, transformers_engine
 from parallel_r1.engine.base import SegmentRequest
 from parallel_r1.errors import PipelineError
@@ -27,7 +31,7 @@ from parallel_r1.models import TinyModelConfig, build_tiny_model, load_tokenizer
 from parallel_r1.prompts import chat_messages, render_prompt
 from parallel_r1.structure import TagIds, attention_inputs, build_structure
 from parallel_r1.training.rollout import engine_for_trainer, make_rollout_func
-from tests.conftest import redraw_layer_weights
+from tests.conftest import copy_repo, redraw_layer_weights
 
 QUESTIONS = ["What is 2 + 3?", "A farmer has 12 cows and buys 7 more. How many cows does he have?"]
 
@@ -532,14 +536,6 @@ def test_the_teacher_stage_on_vllm_writes_one_generation_per_problem(tmp_path, m
     """`dvc repro generate@dapo` as the committed tiny profile runs it: `generate.engine: vllm`, the default
     profiles' one vLLM stage (the pipeline and scale-out tests run the teacher on transformers). One row per
     problem, in the mirror's order, each completion's token count the student tokenizer's."""
-    import json
-    import os
-
-    import yaml
-
-    from parallel_r1.data import load_problems
-    from tests.conftest import copy_repo
-
     repo = copy_repo(tmp_path / "repo", mirror)
     params = yaml.safe_load((repo / "params.yaml").read_text())
     assert params["generate"]["engine"] == "vllm"
